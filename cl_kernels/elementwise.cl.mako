@@ -1,0 +1,104 @@
+// clops elementwise family: SwiGLU and its clamped / row-weighted / column-gated
+// forms, the sigmoid output gate, add.
+//
+// Layout: flat float32 arrays of n elements; row/column ops see them as
+// [n / width, width] row-major. Work item g of group b handles EPT vectors of
+// VW floats at (b·WG·EPT + g)·VW + k·WG·VW, k < EPT, so each of the EPT
+// steps of a group reads one contiguous run of WG·VW floats. A vector that
+// would cross n is done element by element (the tail).
+//
+// Parameters: WG work-items per group, VW vector width, EPT vectors per work
+// item, IDX the index type (uint when every index fits 32 bits, else ulong).
+#define WG ${wg}
+#define VW ${vw}
+#define EPT ${ept}
+typedef ${idx} idx_t;
+
+## One kernel: `outs` written, `ins` read with the same index, `gathers`
+## (name, index expression over element index {e}) read per element,
+## `body(T)` the math on values of type T (float or floatN).
+<%def name="kernel(name, outs, ins, body, gathers=(), scalars=())">
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] + ["__global const float *restrict %s_in" % i for i in ins] + ["__global const float *restrict %s_src" % g for g, _ in gathers] + ["const idx_t n"] + list(scalars))})
+{
+    const idx_t first = ((idx_t)get_group_id(0) * (WG * EPT) + (idx_t)get_local_id(0)) * VW;
+    for (int k = 0; k < EPT; ++k) {
+        const idx_t i = first + (idx_t)k * (WG * VW);
+        if (i + VW <= n) {
+% for x in ins:
+            ${vtype(vw)} ${x} = ${vload(vw, x + "_in", "i")};
+% endfor
+% for g, expr in gathers:
+%   if vw == 1:
+            float ${g} = ${g}_src[${expr.format(e="i")}];
+%   else:
+            ${vtype(vw)} ${g} = (${vtype(vw)})(${", ".join("%s_src[%s]" % (g, expr.format(e="(i + %d)" % l)) for l in range(vw))});
+%   endif
+% endfor
+% for o in outs:
+            ${vtype(vw)} ${o};
+% endfor
+            ${body(vtype(vw))}
+% for o in outs:
+            ${vstore(vw, o, o + "_out", "i")};
+% endfor
+        } else {
+            for (idx_t j = i; j < n; ++j) {
+% for x in ins:
+                float ${x} = ${x}_in[j];
+% endfor
+% for g, expr in gathers:
+                float ${g} = ${g}_src[${expr.format(e="j")}];
+% endfor
+% for o in outs:
+                float ${o};
+% endfor
+                ${body("float")}
+% for o in outs:
+                ${o}_out[j] = ${o};
+% endfor
+            }
+        }
+    }
+}
+</%def>
+
+<%def name="swiglu(T)">c = a / (1.0f + exp(-a)) * b;</%def>
+<%def name="swiglu_grad(T)">
+    const ${T} s = 1.0f / (1.0f + exp(-a));
+    da = dc * b * s * (1.0f + a * (1.0f - s));
+    db = dc * a * s;
+</%def>
+<%def name="swiglu_limit(T)">
+    if (limit > 0.0f) {
+        a = min(a, limit);
+        b = clamp(b, -limit, limit);
+    }
+    c = scale * (a / (1.0f + exp(-a)) * b);
+</%def>
+<%def name="swiglu_limit_rows(T)">
+    ${swiglu_limit(T)}
+    c *= rw;
+</%def>
+<%def name="swiglu_gated(T)">c = a / (1.0f + exp(-a)) * b * gate;</%def>
+<%def name="swiglu_gated_grad(T)">
+    dc *= gate;
+    ${swiglu_grad(T)}
+</%def>
+<%def name="sigmoid_gate(T)">c = a / (1.0f + exp(-b));</%def>
+<%def name="sigmoid_gate_grad(T)">
+    const ${T} s = 1.0f / (1.0f + exp(-b));
+    da = dc * s;
+    db = dc * a * s * (1.0f - s);
+</%def>
+<%def name="add(T)">c = a + b;</%def>
+
+${kernel("swiglu_fwd", ["c"], ["a", "b"], swiglu)}
+${kernel("swiglu_bwd", ["da", "db"], ["a", "b", "dc"], swiglu_grad)}
+${kernel("swiglu_limit_fwd", ["c"], ["a", "b"], swiglu_limit, scalars=["const float limit", "const float scale"])}
+${kernel("swiglu_limit_rows_fwd", ["c"], ["a", "b"], swiglu_limit_rows, gathers=[("rw", "{e} / width")], scalars=["const float limit", "const float scale", "const idx_t width"])}
+${kernel("swiglu_gated_fwd", ["c"], ["a", "b"], swiglu_gated, gathers=[("gate", "{e} % width")], scalars=["const idx_t width"])}
+${kernel("swiglu_gated_bwd", ["da", "db"], ["a", "b", "dc"], swiglu_gated_grad, gathers=[("gate", "{e} % width")], scalars=["const idx_t width"])}
+${kernel("sigmoid_gate_fwd", ["c"], ["a", "b"], sigmoid_gate)}
+${kernel("sigmoid_gate_bwd", ["da", "db"], ["a", "b", "dc"], sigmoid_gate_grad)}
+${kernel("add", ["c"], ["a", "b"], add)}

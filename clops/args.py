@@ -1,0 +1,72 @@
+"""Argument checks and output allocation shared by every op.
+
+Every check runs before anything is enqueued and names the argument.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+
+
+def check_queue(queue):
+    if not isinstance(queue, cl.CommandQueue):
+        raise TypeError(f"queue: expected a pyopencl.CommandQueue, got {type(queue).__name__}")
+
+
+def check_array(name, arr, queue, shape=None, ndim=None):
+    """Require a C-contiguous float32 ``pyopencl.array.Array`` on ``queue``'s context, zero offset."""
+    if not isinstance(arr, cla.Array):
+        raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")
+    if arr.dtype != np.float32:
+        raise TypeError(f"{name}: dtype must be float32, got {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name}: empty array (shape {arr.shape})")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (strides {arr.strides} for shape {arr.shape})")
+    if arr.offset != 0:
+        raise ValueError(f"{name}: views with a nonzero offset ({arr.offset} bytes) are not supported; pass a copy")
+    if arr.context != queue.context:
+        raise ValueError(f"{name}: array belongs to another context than the queue")
+    return arr
+
+
+def output(name, given, queue, shape, allocator):
+    """``given`` checked against ``shape``, or a new float32 array from ``allocator``."""
+    if given is None:
+        return cla.empty(queue, tuple(shape), np.float32, allocator=allocator)
+    return check_array(name, given, queue, shape=shape)
+
+
+def events(wait_for, *arrays):
+    """The events a launch waits on: ``wait_for`` plus those pending on the arrays it touches."""
+    out = list(wait_for or ())
+    for a in arrays:
+        if a is not None:
+            out.extend(a.events)
+    return out
+
+
+def positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name}: must be positive, got {value}")
+    return int(value)
+
+
+def finite_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not np.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return float(value)
+
+
+def index_type(*sizes):
+    """'uint' when every index fits 32 bits (cheaper on GPUs), else 'ulong'."""
+    return "uint" if max(sizes) < 2**32 else "ulong"

@@ -1,0 +1,202 @@
+"""Float64 numpy reference of every clops op, written from the formulas.
+
+Inputs are any array-likes; results are float64 numpy arrays. Shapes and
+argument names follow the device API (``clops/__init__.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(*arrays):
+    return [np.asarray(a, dtype=np.float64) for a in arrays]
+
+
+def sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
+
+
+# ---- elementwise ----
+
+def swiglu(a, b):
+    a, b = _f64(a, b)
+    return a * sigmoid(a) * b
+
+
+def swiglu_bwd(a, b, dc):
+    a, b, dc = _f64(a, b, dc)
+    s = sigmoid(a)
+    return dc * b * s * (1.0 + a * (1.0 - s)), dc * a * s
+
+
+def swiglu_limit(a, b, *, limit, scale=1.0, row_weight=None):
+    a, b = _f64(a, b)
+    if limit > 0:
+        a, b = np.minimum(a, limit), np.clip(b, -limit, limit)
+    c = scale * a * sigmoid(a) * b
+    if row_weight is not None:
+        c = c * np.asarray(row_weight, dtype=np.float64)[:, None]
+    return c
+
+
+def swiglu_gated(a, b, gate):
+    return swiglu(a, b) * np.asarray(gate, dtype=np.float64)
+
+
+def swiglu_gated_bwd(a, b, gate, dc):
+    return swiglu_bwd(a, b, np.asarray(dc, dtype=np.float64) * np.asarray(gate, dtype=np.float64))
+
+
+def sigmoid_gate(a, b):
+    a, b = _f64(a, b)
+    return a * sigmoid(b)
+
+
+def sigmoid_gate_bwd(a, b, dc):
+    a, b, dc = _f64(a, b, dc)
+    s = sigmoid(b)
+    return dc * s, dc * a * s * (1.0 - s)
+
+
+def add(a, b):
+    a, b = _f64(a, b)
+    return a + b
+
+
+# ---- RMSNorm ----
+
+def _gain(w, gemma):
+    w = np.asarray(w, dtype=np.float64)
+    return 1.0 + w if gemma else w
+
+
+def rms_norm(x, w, *, eps=1e-6, gemma=False):
+    """(y, inv): y = x·inv·w_eff over the last axis, inv = 1/sqrt(mean(x²) + eps)."""
+    (x,) = _f64(x)
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    return x * inv[..., None] * _gain(w, gemma), inv
+
+
+def rms_norm_bwd(x, w, inv, dy, *, gemma=False):
+    """dx = inv·w·dy − x·inv³/d·Σ dy·w·x."""
+    x, inv, dy = _f64(x, inv, dy)
+    we = _gain(w, gemma)
+    d = x.shape[-1]
+    coef = np.sum(dy * we * x, axis=-1) / d * inv**3
+    return inv[..., None] * we * dy - x * coef[..., None]
+
+
+def rms_norm_dw(x, inv, dy):
+    """Σ_rows dy·x·inv."""
+    x, inv, dy = _f64(x, inv, dy)
+    return np.sum((dy * x * inv[..., None]).reshape(-1, x.shape[-1]), axis=0)
+
+
+# ---- q/k RMSNorm + partial RoPE ----
+
+def rope_table(window, rotary_half, *, theta=1e7):
+    """[window, half, 2] (cos, sin) of pos·theta^(−2i/(2·half)), float32."""
+    if rotary_half == 0:
+        return np.zeros((window, 0, 2), np.float32)
+    inv_freq = 1.0 / theta ** (2.0 * np.arange(rotary_half) / (2 * rotary_half))
+    ang = np.arange(window)[:, None] * inv_freq[None, :]
+    return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+
+
+def _rotate(y, rope, window, inverse):
+    """Half-split rotation of the first 2·half dims of y [n, heads, hd] by position = row mod window."""
+    half = rope.shape[1]
+    if half == 0:
+        return y
+    rope = np.asarray(rope, dtype=np.float64)
+    pos = np.arange(y.shape[0]) % window
+    cos, sin = rope[pos, :, 0][:, None, :], rope[pos, :, 1][:, None, :]
+    if inverse:
+        sin = -sin
+    lo, hi = y[..., :half].copy(), y[..., half:2 * half].copy()
+    y = y.copy()
+    y[..., :half] = lo * cos - hi * sin
+    y[..., half:2 * half] = lo * sin + hi * cos
+    return y
+
+
+def qk_norm_rope(x, w, rope, *, eps=1e-6, gemma=True):
+    """(y, inv) for x [n, heads, hd]: per-head RMSNorm, then RoPE; the window is len(rope)."""
+    y, inv = rms_norm(x, w, eps=eps, gemma=gemma)
+    return _rotate(y, rope, len(rope), inverse=False), inv
+
+
+def qk_norm_rope_bwd(x, w, inv, rope, dy, *, gemma=True):
+    """(dx, dw): the inverse rotation of dy, then the RMSNorm backward; dw summed over rows and heads."""
+    g = _rotate(np.asarray(dy, dtype=np.float64), rope, len(rope), inverse=True)
+    return rms_norm_bwd(x, w, inv, g, gemma=gemma), rms_norm_dw(x, inv, g)
+
+
+# ---- causal grouped-query attention ----
+
+def _windows(a, window):
+    """[n, heads, hd] → [windows, heads, window, hd]."""
+    n, heads, hd = a.shape
+    return np.asarray(a, dtype=np.float64).reshape(n // window, window, heads, hd).transpose(0, 2, 1, 3)
+
+
+def _tokens(a):
+    """[windows, heads, window, hd] → [n, heads, hd]."""
+    w, heads, t, hd = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(w * t, heads, hd)
+
+
+def _expand(k, rep):
+    return np.repeat(k, rep, axis=1)
+
+
+def attention(q, k, v, *, window, scale=None):
+    """(o [n, nh, hd], lse [n, nh]): causal softmax attention inside each window, K/V shared by groups."""
+    hd, nh, nkv = q.shape[-1], q.shape[1], k.shape[1]
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
+    qw, kw, vw = _windows(q, window), _expand(_windows(k, window), nh // nkv), _expand(_windows(v, window), nh // nkv)
+    s = np.einsum("bhqd,bhkd->bhqk", qw, kw) * scale
+    s = np.where(np.tril(np.ones((window, window), bool)), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhqk,bhkd->bhqd", p / l, vw)
+    lse = (m + np.log(l))[..., 0]  # [windows, nh, window]
+    return _tokens(o), lse.transpose(0, 2, 1).reshape(-1, nh)
+
+
+def attention_bwd(q, k, v, o, lse, do, *, window, scale=None):
+    """(dq, dk, dv); dk/dv summed over each group's query heads."""
+    hd, nh, nkv = q.shape[-1], q.shape[1], k.shape[1]
+    rep = nh // nkv
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
+    qw, kw, vw = _windows(q, window), _expand(_windows(k, window), rep), _expand(_windows(v, window), rep)
+    ow, dow = _windows(o, window), _windows(do, window)
+    lse_w = np.asarray(lse, dtype=np.float64).reshape(-1, window, nh).transpose(0, 2, 1)[..., None]
+    s = np.einsum("bhqd,bhkd->bhqk", qw, kw) * scale
+    p = np.where(np.tril(np.ones((window, window), bool)), np.exp(s - lse_w), 0.0)
+    dv = np.einsum("bhqk,bhqd->bhkd", p, dow)
+    dp = np.einsum("bhqd,bhkd->bhqk", dow, vw)
+    delta = np.sum(dow * ow, axis=-1, keepdims=True)
+    ds = p * (dp - delta) * scale
+    dq = np.einsum("bhqk,bhkd->bhqd", ds, kw)
+    dk = np.einsum("bhqk,bhqd->bhkd", ds, qw)
+
+    def group(x):
+        b, _, t, d = x.shape
+        return x.reshape(b, nkv, rep, t, d).sum(axis=2)
+
+    return _tokens(dq), _tokens(group(dk)), _tokens(group(dv))
+
+
+# ---- test data and comparison ----
+
+def rnd(shape, seed, scale=1.0):
+    """Seeded float32 data, uniform in [−scale, scale) (the seed's tests' distribution)."""
+    return np.random.default_rng(seed).uniform(-scale, scale, size=shape).astype(np.float32)
+
+
+def rel_err(got, want):
+    """Relative L2 error ‖got − want‖ / ‖want‖ in float64."""
+    got, want = _f64(got, want)
+    return float(np.sqrt(np.sum((got - want) ** 2) / max(np.sum(want * want), 1e-30)))

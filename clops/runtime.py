@@ -1,0 +1,170 @@
+"""Devices: CPU-runtime registration, device choice, capability macros.
+
+Nothing here builds a kernel. ``register_cpu_runtime`` runs at import time
+(before pyopencl's ICD loader reads its vendor list) and only writes a small
+folder of ``.icd`` files when the ``cpu`` extra is installed but unregistered.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import threading
+
+import pyopencl as cl
+
+_SYSTEM_VENDORS = "/etc/OpenCL/vendors"
+_choice_lock = threading.Lock()
+_default = {}
+
+
+def _cpu_runtime_library():
+    """Absolute path of the pip-installed Intel CPU runtime, or None."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(sys.executable)))):
+        path = os.path.join(prefix, "lib", "libintelocl.so")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _registered_libraries(folder):
+    libs = set()
+    for icd in glob.glob(os.path.join(folder, "*.icd")):
+        try:
+            with open(icd) as f:
+                libs.add(f.read().strip())
+        except OSError:
+            pass
+    return libs
+
+
+def register_cpu_runtime():
+    """Make the ``cpu`` extra's runtime visible to the ICD loader.
+
+    Respects an explicit ``OCL_ICD_VENDORS``. Otherwise, when
+    ``libintelocl.so`` is installed but not listed in the system's vendor
+    folder, writes a folder in the user cache dir holding an ``.icd`` with its
+    absolute path plus the system's own vendor files, and points
+    ``OCL_ICD_VENDORS`` at it. Returns a line saying what was done.
+    """
+    if os.environ.get("OCL_ICD_VENDORS"):
+        return "OCL_ICD_VENDORS set by the user: " + os.environ["OCL_ICD_VENDORS"]
+    lib = _cpu_runtime_library()
+    if lib is None:
+        return "no pip-installed CPU runtime found"
+    if lib in _registered_libraries(_SYSTEM_VENDORS):
+        return f"{lib} already registered in {_SYSTEM_VENDORS}"
+    import platformdirs
+
+    folder = os.path.join(platformdirs.user_cache_dir("clops"), "icd")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        wanted = {"clops-intel-cpu.icd": lib + "\n"}
+        for icd in glob.glob(os.path.join(_SYSTEM_VENDORS, "*.icd")):
+            with open(icd) as f:
+                wanted["system-" + os.path.basename(icd)] = f.read()
+        for name in set(os.listdir(folder)) - set(wanted):
+            os.remove(os.path.join(folder, name))
+        for name, text in wanted.items():
+            path = os.path.join(folder, name)
+            if not os.path.exists(path) or open(path).read() != text:
+                with open(path + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(path + ".tmp", path)
+    except OSError as e:
+        return f"could not register {lib}: {e}"
+    os.environ["OCL_ICD_VENDORS"] = folder
+    return f"registered {lib} through OCL_ICD_VENDORS={folder}"
+
+
+REGISTRATION = register_cpu_runtime()
+
+
+def all_devices():
+    """[(platform_index, device_index, platform, device)] for every device found."""
+    out = []
+    for pi, plat in enumerate(cl.get_platforms()):
+        try:
+            devs = plat.get_devices()
+        except cl.Error:
+            continue
+        out.extend((pi, di, plat, dev) for di, dev in enumerate(devs))
+    return out
+
+
+_TYPE_RANK = {cl.device_type.GPU: 0, cl.device_type.ACCELERATOR: 1, cl.device_type.CPU: 2}
+
+
+def _type_rank(dev):
+    return min((r for t, r in _TYPE_RANK.items() if dev.type & t), default=3)
+
+
+def select_device(selector=None):
+    """(device, reason) for a ``CLOPS_DEVICE``-style selector.
+
+    The selector is ``"P:D"`` platform/device indices, or a case-insensitive
+    substring of the platform or device name. Without one, a GPU is preferred
+    over an accelerator over a CPU, then the platform order.
+    """
+    devices = all_devices()
+    if not devices:
+        raise RuntimeError("no OpenCL device found (install a runtime, e.g. `pip install 'clops[cpu]'`)")
+    if selector:
+        sel = selector.strip()
+        if ":" in sel and all(part.strip().isdigit() for part in sel.split(":", 1)):
+            p, d = (int(part) for part in sel.split(":", 1))
+            for pi, di, _, dev in devices:
+                if (pi, di) == (p, d):
+                    return dev, f"CLOPS_DEVICE={selector!r} names platform {p}, device {d}"
+            raise ValueError(f"CLOPS_DEVICE={selector!r}: no platform {p} device {d}")
+        for _, _, plat, dev in devices:
+            if sel.lower() in plat.name.lower() or sel.lower() in dev.name.lower():
+                return dev, f"CLOPS_DEVICE={selector!r} matches {plat.name.strip()} / {dev.name.strip()}"
+        raise ValueError(f"CLOPS_DEVICE={selector!r} matches no platform or device name")
+    _, _, plat, dev = min(devices, key=lambda t: (_type_rank(t[3]), t[0], t[1]))
+    kind = cl.device_type.to_string(dev.type)
+    return dev, f"no selector: first {kind} device (GPUs are preferred over CPUs)"
+
+
+def default_context():
+    """The process-wide default context (``PYOPENCL_CTX``, else ``CLOPS_DEVICE``, else the best device)."""
+    with _choice_lock:
+        if "context" not in _default:
+            if os.environ.get("PYOPENCL_CTX") and not os.environ.get("CLOPS_DEVICE"):
+                ctx = cl.create_some_context(interactive=False)
+                reason = f"PYOPENCL_CTX={os.environ['PYOPENCL_CTX']!r}"
+            else:
+                dev, reason = select_device(os.environ.get("CLOPS_DEVICE"))
+                ctx = cl.Context([dev])
+            _default["context"], _default["reason"] = ctx, reason
+        return _default["context"]
+
+
+def default_queue(profiling=False):
+    """A new in-order queue on the default context's device."""
+    ctx = default_context()
+    props = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
+    return cl.CommandQueue(ctx, properties=props)
+
+
+def default_reason():
+    default_context()
+    return _default["reason"]
+
+
+def device_identity(dev):
+    """(platform, device, driver version): the identity cache keys and tuning files use."""
+    return (dev.platform.name.strip(), dev.name.strip(), dev.driver_version.strip())
+
+
+def capability_macros(dev):
+    """``#define`` lines the host emits so kernels never sniff the vendor."""
+    ext = dev.extensions.split()
+    caps = {
+        "CLOPS_HAS_FP64": int("cl_khr_fp64" in ext),
+        "CLOPS_HAS_FP16": int("cl_khr_fp16" in ext),
+        "CLOPS_LOCAL_MEM_BYTES": dev.local_mem_size,
+        "CLOPS_MAX_WORK_GROUP": dev.max_work_group_size,
+        "CLOPS_IS_CPU": int(bool(dev.type & cl.device_type.CPU)),
+    }
+    return "".join(f"#define {k} {v}\n" for k, v in caps.items())
