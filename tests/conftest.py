@@ -10,4 +10,8 @@ from pyopencl.tools import pytest_generate_tests_for_pyopencl as pytest_generate
 @pytest.fixture
 def queue(ctx_factory):
     """A profiling-enabled queue on the device under test."""
-    return cl.CommandQueue(ctx_factory(), properties=cl.command_queue_properties.PROFILING_ENABLE)
+    # Hold the context: Intel's CPU runtime loses a context whose last Python reference is gone
+    # even while a queue on it lives.
+    ctx = ctx_factory()
+    yield cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    del ctx
