@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -125,18 +126,30 @@ def _build(ctx, dev, template, params, source, key):
         log.info("kept source of %s at %s", template, kept)
     start = time.perf_counter()
     try:
-        if os.environ.get("CLOPS_NO_CACHE"):
-            prg = cl.Program(cl._cl._Program(ctx, source))
-            prg._prg.build(" ".join(BUILD_OPTIONS), [dev])
-        else:
-            prg = cl.Program(ctx, source).build(options=list(BUILD_OPTIONS), devices=[dev], cache_dir=cache_dir())
+        with warnings.catch_warnings():
+            # Intel's runtime logs progress lines on every build; real warnings are looked for below.
+            warnings.simplefilter("ignore", cl.CompilerWarning)
+            if os.environ.get("CLOPS_NO_CACHE"):
+                # A Program made from a raw _Program takes pyopencl's uncached build path.
+                prg = cl.Program(cl._cl._Program(ctx, source)).build(options=list(BUILD_OPTIONS), devices=[dev])
+            else:
+                prg = cl.Program(ctx, source).build(options=list(BUILD_OPTIONS), devices=[dev], cache_dir=cache_dir())
     except cl.Error as e:
         head = "\n".join(str(e).splitlines()[:30])
         hint = "" if os.environ.get("CLOPS_KEEP_SOURCE") else " (set CLOPS_KEEP_SOURCE=1 to keep the source)"
         raise BuildError(f"building {template} with {params} failed on {dev.name.strip()}{hint}:\n{head}") from None
+    build_log = build_warnings(prg, dev)
+    if build_log:
+        log.warning("%s %s built with warnings on %s:\n%s", template, params, dev.name.strip(), build_log)
     stats["builds"] += 1
     log.info("built %s %s in %.2fs", template, params, time.perf_counter() - start)
     return {k.function_name: Kernel(k, template, params, dev) for k in prg.all_kernels()}
+
+
+def build_warnings(prg, dev):
+    """The lines of ``prg``'s build log on ``dev`` that mention a warning (empty for binary-cache hits)."""
+    text = prg.get_build_info(dev, cl.program_build_info.LOG) or ""
+    return "\n".join(line for line in text.splitlines() if "warning" in line.lower())
 
 
 class Kernel:

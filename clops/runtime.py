@@ -95,6 +95,14 @@ def all_devices():
 _TYPE_RANK = {cl.device_type.GPU: 0, cl.device_type.ACCELERATOR: 1, cl.device_type.CPU: 2}
 
 
+def device_kind(dev):
+    """'GPU', 'accelerator', 'CPU' or 'other' (drivers may set extra type bits)."""
+    for t, name in ((cl.device_type.GPU, "GPU"), (cl.device_type.ACCELERATOR, "accelerator"), (cl.device_type.CPU, "CPU")):
+        if dev.type & t:
+            return name
+    return "other"
+
+
 def _type_rank(dev):
     return min((r for t, r in _TYPE_RANK.items() if dev.type & t), default=3)
 
@@ -122,7 +130,7 @@ def select_device(selector=None):
                 return dev, f"CLOPS_DEVICE={selector!r} matches {plat.name.strip()} / {dev.name.strip()}"
         raise ValueError(f"CLOPS_DEVICE={selector!r} matches no platform or device name")
     _, _, plat, dev = min(devices, key=lambda t: (_type_rank(t[3]), t[0], t[1]))
-    kind = cl.device_type.to_string(dev.type)
+    kind = device_kind(dev)
     return dev, f"no selector: first {kind} device (GPUs are preferred over CPUs)"
 
 

@@ -1,0 +1,62 @@
+"""``python -m clops``: info, check, bench, tune."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pyopencl as cl
+
+from . import __version__, runtime
+
+
+def _device_lines(dev):
+    yield f"      type {runtime.device_kind(dev)}, OpenCL C {dev.opencl_c_version}, driver {dev.driver_version}"
+    yield (f"      {dev.max_compute_units} compute units @ {dev.max_clock_frequency} MHz, "
+           f"max work-group {dev.max_work_group_size}, local memory {dev.local_mem_size // 1024} KiB, "
+           f"global memory {dev.global_mem_size // 2**20} MiB, max allocation {dev.max_mem_alloc_size // 2**20} MiB")
+    yield f"      preferred float vector width {dev.preferred_vector_width_float}"
+    yield "      extensions: " + " ".join(sorted(dev.extensions.split()))
+
+
+def info(args):
+    print(f"clops {__version__}, pyopencl {cl.VERSION_TEXT}")
+    print(f"CPU runtime registration: {runtime.REGISTRATION}")
+    for pi, di, plat, dev in runtime.all_devices():
+        if di == 0:
+            print(f"platform {pi}: {plat.name.strip()} ({plat.version.strip()})")
+        print(f"  device {pi}:{di}: {dev.name.strip()}")
+        for line in _device_lines(dev):
+            print(line)
+    dev = runtime.default_context().devices[0]
+    print(f"chosen device: {dev.name.strip()} on {dev.platform.name.strip()}")
+    print(f"  because: {runtime.default_reason()}")
+    return 0
+
+
+def check(args):
+    from .check import FAMILIES, run_all
+
+    queue = runtime.default_queue(profiling=True)
+    dev = queue.device
+    print(f"clops check on {dev.name.strip()} ({dev.platform.name.strip()}, driver {dev.driver_version})")
+    rows = run_all(queue, tuple(args.family) if args.family else FAMILIES)
+    failed = [r for r in rows if not r.ok]
+    print(f"{len(rows) - len(failed)}/{len(rows)} passed")
+    return 1 if failed or not rows else 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m clops", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="platforms, devices, limits, extensions, the chosen device and why")
+    p = sub.add_parser("check", help="every op against the float64 reference on the chosen device")
+    p.add_argument("--family", action="append", help="only this op family (repeatable)")
+    sub.add_parser("bench", help="benchmarks (see `python -m clops bench --help`)", add_help=False)
+    sub.add_parser("tune", help="template-parameter sweeps (see `python -m clops tune --help`)", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("bench", "tune"):
+        import importlib
+
+        return importlib.import_module(f"clops.{argv[0]}").main(argv[1:])
+    args = parser.parse_args(argv)
+    return {"info": info, "check": check}[args.command](args)
