@@ -1,0 +1,134 @@
+"""Runtime: the program cache, template rendering, device selection, CPU-runtime registration,
+and the package as installed from a wheel."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import program, runtime
+from clops.program import BuildError, LimitError, kernels, render
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = dict(wg=32, vw=2, ept=1, idx="uint")
+
+
+def test_second_call_builds_nothing(ctx_factory):
+    ctx = ctx_factory()
+    queue = cl.CommandQueue(ctx)
+    before = program.stats["builds"]
+    first = kernels(queue, "elementwise.cl.mako", PARAMS)
+    assert program.stats["builds"] == before + 1
+    again = kernels(queue, "elementwise.cl.mako", dict(PARAMS))
+    assert again is first and again["add"] is first["add"]
+    assert program.stats["builds"] == before + 1
+
+
+def test_other_parameters_or_context_build_anew(ctx_factory):
+    ctx = ctx_factory()
+    queue = cl.CommandQueue(ctx)
+    base = kernels(queue, "elementwise.cl.mako", PARAMS)
+    before = program.stats["builds"]
+    other = kernels(queue, "elementwise.cl.mako", dict(PARAMS, vw=4))
+    assert other is not base and program.stats["builds"] == before + 1
+    ctx2 = cl.Context(ctx.devices)
+    fresh = kernels(cl.CommandQueue(ctx2), "elementwise.cl.mako", PARAMS)
+    assert fresh is not base and program.stats["builds"] == before + 2
+
+
+def test_every_device_gets_its_own_program():
+    devices = [d for _, _, _, d in runtime.all_devices()]
+    built = set()
+    for dev in devices:
+        ctx = cl.Context([dev])
+        built.add(id(kernels(cl.CommandQueue(ctx), "elementwise.cl.mako", PARAMS)["add"]))
+    assert len(built) == len(devices)
+
+
+def test_render_error_names_template_and_parameter():
+    with pytest.raises(BuildError, match=r"elementwise\.cl\.mako.*'vw'"):
+        render("elementwise.cl.mako", wg=64, ept=1, idx="uint", checked=False)
+
+
+def test_build_error_names_template_and_log(ctx_factory, tmp_path, monkeypatch):
+    (tmp_path / "broken.cl.mako").write_text("__kernel void broken(__global float *x) { x[0] = undefined_name; }\n")
+    monkeypatch.setattr(program._lookup, "directories", [str(tmp_path)] + program._lookup.directories)
+    ctx = ctx_factory()
+    queue = cl.CommandQueue(ctx)
+    with pytest.raises(BuildError, match=r"broken\.cl\.mako.*\{'n': 1"):
+        kernels(queue, "broken.cl.mako", {"n": 1})
+
+
+def test_work_group_limit_rejected_before_build(ctx_factory):
+    ctx = ctx_factory()
+    queue = cl.CommandQueue(ctx)
+    too_many = queue.device.max_work_group_size * 2
+    before = program.stats["builds"]
+    with pytest.raises(LimitError, match="CL_DEVICE_MAX_WORK_GROUP_SIZE"):
+        kernels(queue, "elementwise.cl.mako", dict(PARAMS, wg=too_many), work_group_size=too_many)
+    assert program.stats["builds"] == before
+
+
+def test_capability_macros_reach_the_source(ctx_factory):
+    dev = ctx_factory().devices[0]
+    macros = runtime.capability_macros(dev)
+    assert f"#define CLOPS_LOCAL_MEM_BYTES {dev.local_mem_size}" in macros
+    assert "#define CLOPS_HAS_FP64" in macros
+
+
+@pytest.mark.parametrize("selector", ["0:0", "cpu", "CPU", "portable", "intel", "xeon"])
+def test_device_selector(selector):
+    names = [(p.name + " " + d.name).lower() for _, _, p, d in runtime.all_devices()]
+    if selector == "0:0" or any(selector.lower() in n for n in names):
+        dev, reason = runtime.select_device(selector)
+        assert selector in reason and dev is not None
+    else:
+        with pytest.raises(ValueError, match="CLOPS_DEVICE"):
+            runtime.select_device(selector)
+
+
+def test_device_selector_rejects_unknown():
+    with pytest.raises(ValueError, match="matches no platform"):
+        runtime.select_device("no-such-device-anywhere")
+    with pytest.raises(ValueError, match="no platform 99"):
+        runtime.select_device("99:0")
+
+
+def test_registration_writes_icd_folder(tmp_path, monkeypatch):
+    lib = tmp_path / "lib" / "libintelocl.so"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    monkeypatch.delenv("OCL_ICD_VENDORS", raising=False)
+    monkeypatch.setattr(runtime, "_cpu_runtime_library", lambda: str(lib))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    said = runtime.register_cpu_runtime()
+    folder = os.environ["OCL_ICD_VENDORS"]
+    assert folder in said and folder.startswith(str(tmp_path / "cache"))
+    assert (Path(folder) / "clops-intel-cpu.icd").read_text().strip() == str(lib)
+    monkeypatch.setenv("OCL_ICD_VENDORS", "/somewhere")
+    assert "set by the user" in runtime.register_cpu_runtime()
+
+
+def test_installed_package_renders_every_template(tmp_path):
+    """A wheel install carries cl_kernels/ inside the package, and every op runs from it."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(ROOT)], check=True)
+    shipped = sorted(p.name for p in (site / "clops" / "cl_kernels").glob("*.mako"))
+    assert shipped == sorted(p.name for p in (ROOT / "cl_kernels").glob("*.mako"))
+    env = dict(os.environ, PYTHONPATH=str(site))
+    code = ("import clops, clops.program as p; assert p.KERNEL_DIR.is_relative_to(%r), p.KERNEL_DIR; "
+            "from clops.cli import main; raise SystemExit(main(['check']))" % str(site))
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout
+
+
+def test_default_queue_is_usable():
+    queue = clops.default_queue()
+    a = cla.to_device(queue, np.arange(5, dtype=np.float32))
+    assert np.array_equal(clops.add(queue, a, a).get(), 2 * np.arange(5, dtype=np.float32))
