@@ -8,6 +8,15 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
+# Profilers register here (clops.profile) to count host-side work; empty, counting costs one dict check.
+host_observers = {}
+
+
+def note(queue, what, amount=1):
+    """Tell profilers that clops did ``amount`` of ``what`` (e.g. "buffers", "buffer_bytes") on ``queue``."""
+    for observe in list(host_observers.values()):
+        observe(queue, what, amount)
+
 
 def check_queue(queue):
     if not isinstance(queue, cl.CommandQueue):
@@ -38,7 +47,11 @@ def check_array(name, arr, queue, shape=None, ndim=None):
 def output(name, given, queue, shape, allocator):
     """``given`` checked against ``shape``, or a new float32 array from ``allocator``."""
     if given is None:
-        return cla.empty(queue, tuple(shape), np.float32, allocator=allocator)
+        arr = cla.empty(queue, tuple(shape), np.float32, allocator=allocator)
+        if host_observers:
+            note(queue, "buffers")
+            note(queue, "buffer_bytes", arr.nbytes)
+        return arr
     return check_array(name, given, queue, shape=shape)
 
 

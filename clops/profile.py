@@ -1,0 +1,127 @@
+"""Profiling of what clops does on a queue: ``with clops.profile(queue) as prof: ...``.
+
+Recorded while the block runs, for that queue only:
+
+- every kernel clops enqueues (through :class:`clops.program.Kernel`): its name,
+  template, template parameters, global and local size, and its device time
+  from the profiling events (read when asked, so recording never waits);
+- host-side counts of what clops itself does, reported through
+  :func:`clops.args.note`: ``buffers`` (and ``buffer_bytes``) that ops
+  allocate for their outputs, ``writes`` (and ``write_bytes``) host→device,
+  ``waits`` (and ``wait_s``, time waited). Today's ops only allocate outputs
+  and enqueue kernels: they never write from the host or wait, so those
+  counts stay 0 unless an op starts doing so. Work the caller does itself
+  (``to_device``, ``.get()``, ``finish``) is not clops's and is not counted.
+
+Off (no block active), a launch pays one empty-dict check and allocation one more.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+
+import pyopencl as cl
+
+from . import args, program
+
+
+@dataclasses.dataclass
+class Launch:
+    name: str
+    template: str
+    params: dict
+    global_size: tuple
+    local_size: tuple
+    event: cl.Event
+
+    @property
+    def ms(self):
+        self.event.wait()
+        return (self.event.profile.end - self.event.profile.start) * 1e-6
+
+
+class Profile:
+    """Records kernels and host-side counts; see the module docstring."""
+
+    def __init__(self, queue):
+        args.check_queue(queue)
+        if not queue.properties & cl.command_queue_properties.PROFILING_ENABLE:
+            raise ValueError(
+                "profile: the queue was made without profiling; create it with "
+                "cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE) "
+                "or clops.default_queue(profiling=True)"
+            )
+        self.queue = queue
+        self.launches = []
+        self.counts = collections.Counter({k: 0 for k in ("buffers", "buffer_bytes", "writes", "write_bytes",
+                                                           "waits", "wait_s")})
+
+    def __enter__(self):
+        program.observers[id(self)] = self._on_launch
+        args.host_observers[id(self)] = self._on_host
+        return self
+
+    def __exit__(self, *exc):
+        program.observers.pop(id(self), None)
+        args.host_observers.pop(id(self), None)
+        return False
+
+    def _on_launch(self, queue, kernel, global_size, evt):
+        if queue == self.queue:
+            self.launches.append(Launch(kernel.name, kernel.template, dict(kernel.params), tuple(global_size),
+                                        kernel.local_size[: len(global_size)], evt))
+
+    def _on_host(self, queue, what, amount):
+        if queue == self.queue:
+            self.counts[what] += amount
+
+    def span_ms(self):
+        """Device time from the first recorded kernel's start to the last one's end."""
+        if not self.launches:
+            raise ValueError("profile: no clops kernel was enqueued on this queue")
+        cl.wait_for_events([r.event for r in self.launches])
+        start = min(r.event.profile.start for r in self.launches)
+        return (max(r.event.profile.end for r in self.launches) - start) * 1e-6
+
+    def summary(self):
+        """[(kernel name, calls, total ms, mean ms, share of all kernel time)], longest first."""
+        per = collections.defaultdict(list)
+        for r in self.launches:
+            per[r.name].append(r.ms)
+        total = sum(sum(v) for v in per.values()) or 1.0
+        rows = [(name, len(v), sum(v), sum(v) / len(v), sum(v) / total) for name, v in per.items()]
+        return sorted(rows, key=lambda row: -row[2])
+
+    def table(self):
+        """The per-kernel summary and the host-side counts as text."""
+        lines = [f"{'kernel':<28} {'calls':>6} {'total ms':>10} {'mean ms':>10} {'share':>7}"]
+        for name, calls, total, mean, share in self.summary():
+            lines.append(f"{name:<28} {calls:>6} {total:>10.3f} {mean:>10.4f} {share:>6.1%}")
+        c = self.counts
+        lines.append(f"buffers created {c['buffers']} ({c['buffer_bytes'] / 2**20:.1f} MiB), "
+                     f"host->device writes {c['writes']} ({c['write_bytes'] / 2**20:.1f} MiB), "
+                     f"waits {c['waits']} ({c['wait_s'] * 1e3:.1f} ms)")
+        return "\n".join(lines)
+
+
+def profile(queue):
+    """``with clops.profile(queue) as prof:`` — see :class:`Profile`."""
+    return Profile(queue)
+
+
+def measure(queue, fn, *, warmup=2, runs=7):
+    """Median device time in ms of ``fn()`` (which enqueues clops ops on ``queue``) and the list of times.
+
+    Each call is timed from its first kernel's start to its last kernel's end,
+    after ``warmup`` untimed calls; ``runs`` must be at least 1.
+    """
+    for _ in range(warmup):
+        fn()
+    queue.finish()
+    times = []
+    for _ in range(runs):
+        with Profile(queue) as prof:
+            fn()
+        times.append(prof.span_ms())
+    return statistics.median(times), times
