@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from .runtime import default_context, default_queue  # noqa: E402  (registers the CPU runtime first)
 from .program import BuildError, LimitError  # noqa: E402
 from .profile import profile  # noqa: E402
+from .attention import attention  # noqa: E402
 from .elementwise import (  # noqa: E402
     add,
     sigmoid_gate,
@@ -21,6 +22,7 @@ from .elementwise import (  # noqa: E402
 
 __all__ = [
     "BuildError", "LimitError", "default_context", "default_queue", "profile",
+    "attention",
     "add", "sigmoid_gate", "sigmoid_gate_bwd", "swiglu", "swiglu_bwd", "swiglu_gated", "swiglu_gated_bwd",
     "swiglu_limit",
 ]

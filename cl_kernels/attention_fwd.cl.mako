@@ -1,0 +1,209 @@
+// clops attention forward: causal grouped-query flash attention inside windows.
+//
+// Layout: q [n, nh, HD], k and v [n, nkv, HD], o [n, nh, HD], lse [n, nh]
+// (float32, row-major); n = windows·T. Work-group (h, w, b) computes query
+// head h of window w for the BQ query rows of block b; blocks are numbered
+// in reverse so the heaviest (last) blocks start first.
+//
+// Work-item (ty, tx) owns RQ query rows ty·RQ + i. Per key block of BK keys:
+//   1. S = Q·Kᵀ: Q and K are staged DC head-dim columns at a time; the
+//      work-item scores keys j·TX + tx (j < RK) of its rows in registers.
+//   2. Online softmax in the log2 domain (c = scale·log2 e folded into S):
+//      the row max goes through local memory across the TX work-items of a
+//      row; each keeps a partial row sum and rescales its own output rows;
+//      P is written transposed to local memory.
+//   3. O += P·V: V is staged KC keys at a time; the work-item accumulates
+//      RQ rows × RDV vectors of VW columns, columns (j·TX + tx)·VW.
+// Only blocks holding a visible key are visited; masking (key > query, or key
+// past the window) is applied to every score, so the diagonal and a partial
+// last block need no separate path. Every barrier is in uniform control flow.
+//
+// Parameters: BQ query rows per group, RQ rows per work-item, TX work-items
+// across keys/columns, BK keys per block, VW vector width, DC head-dim chunk
+// of Q·Kᵀ, KC key chunk of P·V, HD head dim (HDP: padded to TX·VW).
+<%
+    hdp = -(-hd // (tx * vw)) * (tx * vw)
+    pw = 4 if rq % 4 == 0 else (2 if rq % 2 == 0 else 1)
+    comps = [""] if vw == 1 else [".s%d" % e for e in range(vw)]
+    pcomps = [""] if pw == 1 else [".s%d" % e for e in range(pw)]
+%>
+#define HD ${hd}
+#define HDP ${hdp}
+#define BQ ${bq}
+#define RQ ${rq}
+#define TX ${tx}
+#define TY (BQ / RQ)
+#define WG (TX * TY)
+#define BK ${bk}
+#define RK (BK / TX)                 // keys per work-item per block
+#define VW ${vw}
+#define DC ${dc}
+#define NDC ((HD + DC - 1) / DC)     // head-dim chunks of Q·Kᵀ
+#define KC ${kc}
+#define RDV (HDP / (TX * VW))        // output vectors per work-item per row
+#define QKS (DC / VW + 1)            // row stride (vectors) of staged Q/K, padded against bank conflicts
+#define VS (HDP / VW + 1)            // row stride (vectors) of staged V
+#define PW ${pw}                     // vector width of P rows
+#define PS ((BQ + 4) / PW)           // row stride (vectors) of Pᵀ
+#define STAGE ((BQ + BK) * QKS > KC * VS ? (BQ + BK) * QKS : KC * VS)
+typedef ${idx} idx_t;
+typedef ${vtype(vw)} vec_t;
+typedef ${vtype(pw)} pvec_t;
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restrict k,
+                   __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,
+                   const uint T, const uint nh, const uint rep, const float c)
+{
+    __local vec_t stage[STAGE];      // Q and K chunks, then V chunks
+    __local pvec_t pt[BK * PS];      // Pᵀ: pt[key][row]
+    __local float red[BQ * TX];      // per-row partials of the TX work-items of a row
+    __local vec_t *qs = stage, *ks = stage + BQ * QKS;
+
+    const uint lid = get_local_id(0), tx = lid % TX, ty = lid / TX;
+    const uint h = get_group_id(0), w = get_group_id(1);
+    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ;
+    const uint nkv = nh / rep;
+    // Row strides and bases in vectors.
+    const uint qstride = nh * (HD / VW), kstride = nkv * (HD / VW);
+    const idx_t qbase = (idx_t)w * T * qstride + h * (HD / VW);
+    const idx_t kbase = (idx_t)w * T * kstride + (h / rep) * (HD / VW);
+    const uint nkb = (min(q0 + BQ, T) - 1) / BK + 1;
+
+    vec_t acc[RQ][RDV];
+    float m[RQ], l[RQ];
+    #pragma unroll
+    for (int i = 0; i < RQ; ++i) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < RDV; ++j) acc[i][j] = (vec_t)(0.0f);
+    }
+
+    for (uint kb = 0; kb < nkb; ++kb) {
+        const uint k0 = kb * BK;
+        float s[RQ][RK];
+        #pragma unroll
+        for (int i = 0; i < RQ; ++i) {
+            #pragma unroll
+            for (int j = 0; j < RK; ++j) s[i][j] = 0.0f;
+        }
+        for (uint d0 = 0; d0 < NDC * (DC / VW); d0 += DC / VW) {
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint e = lid; e < BQ * (DC / VW); e += WG) {
+                const uint r = e / (DC / VW), d = d0 + e % (DC / VW);
+                qs[r * QKS + e % (DC / VW)] = (q0 + r < T && d < HD / VW) ? q[qbase + (q0 + r) * qstride + d] : (vec_t)(0.0f);
+            }
+            for (uint e = lid; e < BK * (DC / VW); e += WG) {
+                const uint r = e / (DC / VW), d = d0 + e % (DC / VW);
+                ks[r * QKS + e % (DC / VW)] = (k0 + r < T && d < HD / VW) ? k[kbase + (k0 + r) * kstride + d] : (vec_t)(0.0f);
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+            #pragma unroll
+            for (int d = 0; d < DC / VW; ++d) {
+                vec_t qv[RQ], kv[RK];
+                #pragma unroll
+                for (int i = 0; i < RQ; ++i) qv[i] = qs[(ty * RQ + i) * QKS + d];
+                #pragma unroll
+                for (int j = 0; j < RK; ++j) kv[j] = ks[(j * TX + tx) * QKS + d];
+                #pragma unroll
+                for (int i = 0; i < RQ; ++i) {
+                    #pragma unroll
+                    for (int j = 0; j < RK; ++j) {
+% for e in comps:
+                        s[i][j] = fma(qv[i]${e}, kv[j]${e}, s[i][j]);
+% endfor
+                    }
+                }
+            }
+        }
+
+        // Mask and scale; partial row maxima to local memory.
+        #pragma unroll
+        for (int i = 0; i < RQ; ++i) {
+            const uint qi = q0 + ty * RQ + i;
+            float mx = -INFINITY;
+            #pragma unroll
+            for (int j = 0; j < RK; ++j) {
+                const uint kj = k0 + j * TX + tx;
+                s[i][j] = (kj <= qi && kj < T) ? s[i][j] * c : -INFINITY;
+                mx = fmax(mx, s[i][j]);
+            }
+            red[(ty * RQ + i) * TX + tx] = mx;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        // Block 0 always holds key 0, visible to every row, so m is finite from the first block on.
+        float p[RQ][RK];
+        #pragma unroll
+        for (int i = 0; i < RQ; ++i) {
+            float mnew = m[i];
+            for (int t = 0; t < TX; ++t) mnew = fmax(mnew, red[(ty * RQ + i) * TX + t]);
+            const float corr = exp2(m[i] - mnew);
+            m[i] = mnew;
+            l[i] *= corr;
+            #pragma unroll
+            for (int j = 0; j < RDV; ++j) acc[i][j] *= corr;
+            #pragma unroll
+            for (int j = 0; j < RK; ++j) {
+                p[i][j] = exp2(s[i][j] - mnew);
+                l[i] += p[i][j];
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < RK; ++j) {
+            #pragma unroll
+            for (int i = 0; i < RQ; i += PW) {
+                pvec_t pv;
+% for e, pc in enumerate(pcomps):
+                pv${pc} = p[i + ${e}][j];
+% endfor
+                pt[(j * TX + tx) * PS + (ty * RQ + i) / PW] = pv;
+            }
+        }
+
+        for (uint c0 = 0; c0 < BK; c0 += KC) {
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint e = lid; e < KC * (HDP / VW); e += WG) {
+                const uint r = e / (HDP / VW), d = e % (HDP / VW);
+                stage[r * VS + d] = (k0 + c0 + r < T && d < HD / VW) ? v[kbase + (k0 + c0 + r) * kstride + d] : (vec_t)(0.0f);
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+            #pragma unroll
+            for (int kk = 0; kk < KC; ++kk) {
+                float pr[RQ];
+                #pragma unroll
+                for (int i = 0; i < RQ; i += PW) {
+                    const pvec_t pv = pt[(c0 + kk) * PS + (ty * RQ + i) / PW];
+% for e, pc in enumerate(pcomps):
+                    pr[i + ${e}] = pv${pc};
+% endfor
+                }
+                #pragma unroll
+                for (int j = 0; j < RDV; ++j) {
+                    const vec_t vv = stage[kk * VS + j * TX + tx];
+                    #pragma unroll
+                    for (int i = 0; i < RQ; ++i) acc[i][j] = fma((vec_t)(pr[i]), vv, acc[i][j]);
+                }
+            }
+        }
+    }
+
+    // Row sums across the TX work-items of a row (red was last read before the P·V barriers).
+    #pragma unroll
+    for (int i = 0; i < RQ; ++i) red[(ty * RQ + i) * TX + tx] = l[i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    #pragma unroll
+    for (int i = 0; i < RQ; ++i) {
+        const uint qi = q0 + ty * RQ + i;
+        float lt = 0.0f;
+        for (int t = 0; t < TX; ++t) lt += red[(ty * RQ + i) * TX + t];
+        if (qi < T) {
+            const idx_t row = qbase + qi * qstride;
+            #pragma unroll
+            for (int j = 0; j < RDV; ++j) {
+                if ((j * TX + tx) < HD / VW) o[row + j * TX + tx] = acc[i][j] / lt;
+            }
+            if (tx == 0) lse[((idx_t)w * T + qi) * nh + h] = m[i] * M_LN2_F + log(lt);
+        }
+    }
+}
