@@ -14,3 +14,38 @@
     const float ${result} = ${scratch}[0];
     barrier(CLK_LOCAL_MEM_FENCE);
 </%def>
+
+## Checked builds (CLOPS_CHECKED=1; clops.program renders every template with
+## `checked` and the helpers `at` and `checked_args`). Unchecked, all three
+## render nothing extra: the source is that of a template without guards.
+## A template adopts them in three steps:
+##   1. `${common.guards()}\` once, before its kernels (defines clops_guard;
+##      the backslash keeps the unchecked source free of an empty line);
+##   2. each kernel's parameter list ends with `${checked_args("a", "b", ...)}`
+##      naming EVERY __global pointer parameter, in declaration order (a build
+##      whose list differs fails with BuildError; the host appends each
+##      buffer's size in bytes as `<name>_bytes`, plus the error record);
+##   3. each global access indexes through `at`: `x[${at("x", "i")}]`, and
+##      `${vload(vw, "x", at("x", "i", vw))}` for a vector of vw elements. The
+##      index counts elements from the parameter itself (write `x[at("x",
+##      "r * d + j")]`, not a pointer offset from x), and `at` takes its text.
+## Checked, an access outside its buffer records the first such (site, index)
+## in clops_err and is redirected to element 0 (so a vector access to a buffer
+## shorter than the vector still overflows); the launch then waits and the
+## host raises clops.program.OutOfBoundsError naming the kernel, the site and
+## the index. Local-memory accesses are not guarded.
+<%def name="guards()">\
+% if checked:
+ulong clops_guard(ulong i, ulong width, ulong len, uint site, __global uint *err)
+{
+    if (i + width <= len && i + width >= i)
+        return i;
+    if (atomic_cmpxchg((volatile __global uint *)err, 0u, 1u) == 0u) {
+        err[1] = site;
+        err[2] = (uint)i;
+        err[3] = (uint)(i >> 32);
+    }
+    return 0;
+}
+% endif
+</%def>

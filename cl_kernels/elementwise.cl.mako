@@ -9,30 +9,32 @@
 //
 // Parameters: WG work-items per group, VW vector width, EPT vectors per work
 // item, IDX the index type (uint when every index fits 32 bits, else ulong).
+<%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define VW ${vw}
 #define EPT ${ept}
 typedef ${idx} idx_t;
+${common.guards()}\
 
 ## One kernel: `outs` written, `ins` read with the same index, `gathers`
 ## (name, index expression over element index {e}) read per element,
 ## `body(T)` the math on values of type T (float or floatN).
 <%def name="kernel(name, outs, ins, body, gathers=(), scalars=())">
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] + ["__global const float *restrict %s_in" % i for i in ins] + ["__global const float *restrict %s_src" % g for g, _ in gathers] + ["const idx_t n"] + list(scalars))})
+void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] + ["__global const float *restrict %s_in" % i for i in ins] + ["__global const float *restrict %s_src" % g for g, _ in gathers] + ["const idx_t n"] + list(scalars))}${checked_args(*["%s_out" % o for o in outs], *["%s_in" % i for i in ins], *["%s_src" % g for g, _ in gathers])})
 {
     const idx_t first = ((idx_t)get_group_id(0) * (WG * EPT) + (idx_t)get_local_id(0)) * VW;
     for (int k = 0; k < EPT; ++k) {
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
 % for x in ins:
-            ${vtype(vw)} ${x} = ${vload(vw, x + "_in", "i")};
+            ${vtype(vw)} ${x} = ${vload(vw, x + "_in", at(x + "_in", "i", vw))};
 % endfor
 % for g, expr in gathers:
 %   if vw == 1:
-            float ${g} = ${g}_src[${expr.format(e="i")}];
+            float ${g} = ${g}_src[${at(g + "_src", expr.format(e="i"))}];
 %   else:
-            ${vtype(vw)} ${g} = (${vtype(vw)})(${", ".join("%s_src[%s]" % (g, expr.format(e="(i + %d)" % l)) for l in range(vw))});
+            ${vtype(vw)} ${g} = (${vtype(vw)})(${", ".join("%s_src[%s]" % (g, at(g + "_src", expr.format(e="(i + %d)" % l))) for l in range(vw))});
 %   endif
 % endfor
 % for o in outs:
@@ -40,22 +42,22 @@ void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] +
 % endfor
             ${body(vtype(vw))}
 % for o in outs:
-            ${vstore(vw, o, o + "_out", "i")};
+            ${vstore(vw, o, o + "_out", at(o + "_out", "i", vw))};
 % endfor
         } else {
             for (idx_t j = i; j < n; ++j) {
 % for x in ins:
-                float ${x} = ${x}_in[j];
+                float ${x} = ${x}_in[${at(x + "_in", "j")}];
 % endfor
 % for g, expr in gathers:
-                float ${g} = ${g}_src[${expr.format(e="j")}];
+                float ${g} = ${g}_src[${at(g + "_src", expr.format(e="j"))}];
 % endfor
 % for o in outs:
                 float ${o};
 % endfor
                 ${body("float")}
 % for o in outs:
-                ${o}_out[j] = ${o};
+                ${o}_out[${at(o + "_out", "j")}] = ${o};
 % endfor
             }
         }

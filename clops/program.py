@@ -6,6 +6,14 @@ Built programs live in memory per context (weakly: a dropped context drops
 its programs) and on disk through pyopencl's binary cache. Their kernels are
 fetched once and launched through :class:`Kernel`, which checks limits once,
 serialises argument setting between threads and reports to the profiler.
+
+Checked builds (``CLOPS_CHECKED=1``) render templates with ``checked=True``:
+global accesses written through the ``at`` helper are guarded (see
+``cl_kernels/common.cl.mako``), the launch appends an error record and the
+buffers' sizes, then WAITS for the kernel and raises :class:`OutOfBoundsError`
+on the first out-of-range access. They are built from source (with
+``-cl-kernel-arg-info``) under their own cache keys; unchecked sources carry no
+trace of the guards.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import warnings
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pyopencl as cl
 from mako.lookup import TemplateLookup
 
@@ -42,6 +51,10 @@ class LimitError(ValueError):
     """A parameter set exceeds a device or kernel limit."""
 
 
+class OutOfBoundsError(RuntimeError):
+    """A checked build (``CLOPS_CHECKED=1``) saw a global-memory access outside its buffer."""
+
+
 def vtype(vw):
     """The OpenCL type of a vector of ``vw`` floats."""
     return "float" if vw == 1 else f"float{vw}"
@@ -60,14 +73,43 @@ def vstore(vw, val, ptr, idx):
 _HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore}
 
 
-def render(template, **params):
-    """The OpenCL C source of ``template`` rendered with ``params``."""
+def _guard_helpers(checked, sites):
+    """``at`` and ``checked_args``, the index-guard helpers of checked builds (see common.cl.mako).
+
+    Unchecked, ``at`` returns the index unchanged and ``checked_args`` nothing, so the
+    source is that of a template without guards. Checked, each ``at`` is a numbered
+    site; ``sites`` collects their descriptions for the host's error message.
+    """
+
+    def at(buf, idx, width=1):
+        if not checked:
+            return idx
+        sites.append((buf, f"{buf}[{idx}]" + (f" (a vector of {width})" if width > 1 else "")))
+        return f"clops_guard((ulong)({idx}), {width}, {buf}_bytes / sizeof(*{buf}), {len(sites) - 1}u, clops_err)"
+
+    def checked_args(*bufs):
+        if not checked:
+            return ""
+        return "".join([", __global uint *restrict clops_err"] + [f", const ulong {b}_bytes" for b in bufs])
+
+    return {"at": at, "checked_args": checked_args}
+
+
+def _render(template, params):
+    """(source, guard sites) of ``template`` rendered with ``params``."""
+    sites = []
+    helpers = dict(_HELPERS, **_guard_helpers(params.get("checked", False), sites))
     try:
-        return _lookup.get_template(template).render(**params, **_HELPERS)
+        return _lookup.get_template(template).render(**params, **helpers), sites
     except NameError as e:
         raise BuildError(f"template {template!r}: parameter missing ({e}); given {sorted(params)}") from None
     except Exception as e:
         raise BuildError(f"template {template!r} failed to render with {params}: {type(e).__name__}: {e}") from e
+
+
+def render(template, **params):
+    """The OpenCL C source of ``template`` rendered with ``params``."""
+    return _render(template, params)[0]
 
 
 def cache_dir():
@@ -107,8 +149,11 @@ def kernels(queue, template, params, *, work_group_size=None):
             f"CL_DEVICE_MAX_WORK_GROUP_SIZE ({dev.max_work_group_size})"
         )
     params = dict(params, checked=checked_enabled())
-    source = capability_macros(dev) + render(template, **params)
-    ident = "\0".join((source, " ".join(BUILD_OPTIONS), *device_identity(dev), __version__))
+    source, sites = _render(template, params)
+    source = capability_macros(dev) + source
+    # Checked builds read their kernels' argument names to find the guarded buffers.
+    options = BUILD_OPTIONS + (("-cl-kernel-arg-info",) if params["checked"] else ())
+    ident = "\0".join((source, " ".join(options), *device_identity(dev), __version__))
     key = hashlib.sha256(ident.encode()).hexdigest()
     with _lock:
         per_ctx = _programs.setdefault(queue.context, {})
@@ -116,11 +161,11 @@ def kernels(queue, template, params, *, work_group_size=None):
         if found is not None:
             stats["hits"] += 1
             return found
-        found = per_ctx[key] = _build(queue.context, dev, template, params, source, key)
+        found = per_ctx[key] = _build(queue.context, dev, template, params, source, key, options, sites)
         return found
 
 
-def _build(ctx, dev, template, params, source, key):
+def _build(ctx, dev, template, params, source, key, options, sites):
     if os.environ.get("CLOPS_KEEP_SOURCE"):
         kept = _keep_source(template, key, source)
         log.info("kept source of %s at %s", template, kept)
@@ -129,11 +174,13 @@ def _build(ctx, dev, template, params, source, key):
         with warnings.catch_warnings():
             # Intel's runtime logs progress lines on every build; real warnings are looked for below.
             warnings.simplefilter("ignore", cl.CompilerWarning)
-            if os.environ.get("CLOPS_NO_CACHE"):
+            # Checked builds skip the binary cache too: programs loaded from binaries may lack
+            # the argument names they read.
+            if os.environ.get("CLOPS_NO_CACHE") or params.get("checked"):
                 # A Program made from a raw _Program takes pyopencl's uncached build path.
-                prg = cl.Program(cl._cl._Program(ctx, source)).build(options=list(BUILD_OPTIONS), devices=[dev])
+                prg = cl.Program(cl._cl._Program(ctx, source)).build(options=list(options), devices=[dev])
             else:
-                prg = cl.Program(ctx, source).build(options=list(BUILD_OPTIONS), devices=[dev], cache_dir=cache_dir())
+                prg = cl.Program(ctx, source).build(options=list(options), devices=[dev], cache_dir=cache_dir())
     except cl.Error as e:
         head = "\n".join(str(e).splitlines()[:30])
         hint = "" if os.environ.get("CLOPS_KEEP_SOURCE") else " (set CLOPS_KEEP_SOURCE=1 to keep the source)"
@@ -143,7 +190,7 @@ def _build(ctx, dev, template, params, source, key):
         log.warning("%s %s built with warnings on %s:\n%s", template, params, dev.name.strip(), build_log)
     stats["builds"] += 1
     log.info("built %s %s in %.2fs", template, params, time.perf_counter() - start)
-    return {k.function_name: Kernel(k, template, params, dev) for k in prg.all_kernels()}
+    return {k.function_name: Kernel(k, template, params, dev, sites) for k in prg.all_kernels()}
 
 
 def build_warnings(prg, dev):
@@ -155,7 +202,7 @@ def build_warnings(prg, dev):
 class Kernel:
     """A built kernel with its required work-group size, limits checked once."""
 
-    def __init__(self, knl, template, params, dev):
+    def __init__(self, knl, template, params, dev, sites=()):
         self.knl, self.name, self.template, self.params = knl, knl.function_name, template, params
         info = cl.kernel_work_group_info
         self.local_size = tuple(int(s) for s in knl.get_work_group_info(info.COMPILE_WORK_GROUP_SIZE, dev))
@@ -178,13 +225,52 @@ class Kernel:
             )
         # pyopencl kernels are not safe to share between threads while arguments are set.
         self._lock = threading.Lock()
+        self.sites = list(sites)
+        self._guarded = self._guarded_buffers() if params.get("checked") else None
+
+    def _guarded_buffers(self):
+        """Positions of the buffer arguments a checked launch appends the sizes of; None for a
+        kernel without guards. The template must list every buffer, in order (checked_args)."""
+        arg = lambda i, what: self.knl.get_arg_info(i, what)  # noqa: E731
+        names = self._arg_names = [arg(i, cl.kernel_arg_info.NAME) for i in range(self.knl.num_args)]
+        if "clops_err" not in names:
+            return None
+        err = names.index("clops_err")
+        glob = cl.kernel_arg_address_qualifier.GLOBAL
+        buffers = [i for i in range(err) if arg(i, cl.kernel_arg_info.ADDRESS_QUALIFIER) == glob]
+        if names[err + 1:] != [names[i] + "_bytes" for i in buffers]:
+            raise BuildError(
+                f"{self.template}: kernel {self.name}: checked_args must name its buffers "
+                f"{[names[i] for i in buffers]} in order; the kernel ends with {names[err:]}"
+            )
+        return buffers
 
     def __call__(self, queue, groups, args, wait_for=None):
         """Enqueue over ``groups`` work-groups (a tuple, one per dimension); returns the event."""
         global_size = tuple(g * l for g, l in zip(groups, self.local_size))
+        if self._guarded is not None:
+            # Checked build: an error record (flag, site, index low, high) and the buffers' sizes.
+            err = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                            hostbuf=np.zeros(4, np.uint32))
+            args = [*args, err, *(np.uint64(args[i].size) for i in self._guarded)]
         with self._lock:
             evt = self.knl(queue, global_size, self.local_size[: len(global_size)], *args, wait_for=wait_for)
         if observers:
             for observe in list(observers.values()):
                 observe(queue, self, global_size, evt)
+        if self._guarded is not None:
+            self._raise_recorded(queue, err, evt, args)
         return evt
+
+    def _raise_recorded(self, queue, err, evt, args):
+        """Wait for the launch (checked builds only) and raise on a recorded out-of-range access."""
+        rec = np.empty(4, np.uint32)
+        cl.enqueue_copy(queue, rec, err, wait_for=[evt], is_blocking=True)
+        if rec[0]:
+            buf, where = self.sites[rec[1]]
+            index = int(rec[2]) | int(rec[3]) << 32
+            size = args[self._arg_names.index(buf)].size
+            raise OutOfBoundsError(
+                f"checked build: kernel {self.name} ({self.template}) accessed {where} at index {index}, "
+                f"outside {buf} ({size} bytes); the first out-of-range access recorded"
+            )

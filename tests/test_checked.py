@@ -1,0 +1,79 @@
+"""Checked builds (CLOPS_CHECKED=1): guarded global accesses, raised on the host."""
+import re
+
+import numpy as np
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops.check import all_cases
+from clops.program import OutOfBoundsError, kernels, render
+
+PARAMS = {"wg": 16, "vw": 4, "ept": 2, "idx": "uint"}
+
+
+def test_unchecked_source_has_no_guards(monkeypatch):
+    monkeypatch.delenv("CLOPS_CHECKED", raising=False)
+    plain = render("elementwise.cl.mako", **PARAMS, checked=False)
+    assert "clops_guard" not in plain and "clops_err" not in plain
+    assert "clops_guard(" in render("elementwise.cl.mako", **PARAMS, checked=True)
+
+
+def test_checked_variant_has_its_own_cache_entry(queue, monkeypatch):
+    monkeypatch.delenv("CLOPS_CHECKED", raising=False)
+    plain = kernels(queue, "elementwise.cl.mako", PARAMS)["add"]
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    checked = kernels(queue, "elementwise.cl.mako", PARAMS)["add"]
+    assert checked is not plain and checked.params["checked"] and not plain.params["checked"]
+    assert checked.knl.num_args > plain.knl.num_args
+
+
+@pytest.mark.parametrize("n", [100, 131])  # the vector path, then the scalar tail, runs past the buffers
+def test_planted_out_of_range_geometry_raises(queue, monkeypatch, n):
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    size = 64
+    a = cla.to_device(queue, np.ones(size, np.float32))
+    b = cla.to_device(queue, np.ones(size, np.float32))
+    c = cla.empty(queue, size, np.float32)
+    knl = kernels(queue, "elementwise.cl.mako", PARAMS)["add"]
+    per_group = PARAMS["wg"] * PARAMS["vw"] * PARAMS["ept"]
+    with pytest.raises(OutOfBoundsError, match=r"kernel add \(elementwise\.cl\.mako\)") as info:
+        knl(queue, (-(-n // per_group),), [c.data, a.data, b.data, np.uint32(n)])
+    msg = str(info.value)
+    index = int(re.search(r"at index (\d+)", msg).group(1))
+    assert size - PARAMS["vw"] < index < n, msg
+    assert re.search(r"(c_out|a_in|b_in)\[", msg), msg
+
+
+def test_planted_gather_out_of_range_raises(queue, monkeypatch):
+    """A row weight shorter than the rows it is indexed by."""
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    rows, width = 5, 16
+    a = cla.to_device(queue, np.ones(rows * width, np.float32))
+    rw = cla.to_device(queue, np.ones(rows - 2, np.float32))
+    c = cla.empty(queue, rows * width, np.float32)
+    knl = kernels(queue, "elementwise.cl.mako", PARAMS)["swiglu_limit_rows_fwd"]
+    args = [c.data, a.data, a.data, rw.data, np.uint32(rows * width), np.float32(0), np.float32(1), np.uint32(width)]
+    with pytest.raises(OutOfBoundsError, match=r"swiglu_limit_rows_fwd .*rw_src\[.* at index [34],"):
+        knl(queue, (1,), args)
+
+
+def test_checked_op_on_valid_input_matches_unchecked(queue, monkeypatch):
+    x = np.linspace(-3, 3, 4099).astype(np.float32)
+    a, b = cla.to_device(queue, x), cla.to_device(queue, x[::-1].copy())
+    monkeypatch.delenv("CLOPS_CHECKED", raising=False)
+    want = clops.swiglu(queue, a, b).get()
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    got = clops.swiglu(queue, a, b).get()
+    assert np.array_equal(got, want)
+
+
+CASES = all_cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.family}:{c.name}" for c in CASES])
+def test_parity_cases_pass_checked(queue, monkeypatch, case):
+    """Every parity case in a checked build: no guard fires on valid input, results stay right."""
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    bad = [f"{r.op} {r.shape}: {r.err:.3e}" for r in case.run(queue) if not r.ok]
+    assert not bad, bad
