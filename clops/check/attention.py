@@ -1,0 +1,27 @@
+"""Parity cases of the attention family at the seed's shape (2 windows × 37, nh 6, nkv 2, hd 256)."""
+import pyopencl.array as cla
+
+import clops
+from clops import reference as ref
+from clops.check import case, compare
+from clops.reference import rnd
+
+O_TOL, LSE_TOL = 1e-5, 1e-6
+WINDOWS, WINDOW, NH, NKV, HD = 2, 37, 6, 2, 256
+SHAPE = f"{WINDOWS}×{WINDOW} nh{NH} nkv{NKV} hd{HD}"
+
+
+def inputs(queue):
+    """(host arrays, device arrays) of q, k, v, do at the seed's shape and seeds."""
+    n = WINDOWS * WINDOW
+    host = [rnd((n, NH, HD), 11), rnd((n, NKV, HD), 12), rnd((n, NKV, HD), 13), rnd((n, NH, HD), 14)]
+    return host, [cla.to_device(queue, a) for a in host]
+
+
+@case("attention", "forward (seed shape)")
+def forward(queue):
+    (q, k, v, _), (dq, dk, dv, _) = inputs(queue)
+    o, lse = clops.attention(queue, dq, dk, dv, window=WINDOW)
+    want_o, want_lse = ref.attention(q, k, v, window=WINDOW)
+    return [compare("attention o", SHAPE, o, want_o, O_TOL, o.events),
+            compare("attention lse", SHAPE, lse, want_lse, LSE_TOL)]
