@@ -1,0 +1,523 @@
+"""``python -m clops tune``: template-parameter sweeps into the tuning database.
+
+For one op (its name in the tuning database) and shape class, each configuration
+of the family's parameter lists (ordered; the first list varies slowest) that
+passes the family's restrictions is set through ``clops.tuning.override`` and run
+through the public op, so the sweep never reaches into a kernel:
+
+1. the op's outputs are checked against ``clops.reference`` (float64); a wrong
+   result is reported and skipped, and so is a configuration the op rejects or
+   that fails to build or launch (LimitError, ValueError, BuildError, OpenCL
+   errors), each with its reason;
+2. the op is timed from profiling events: warm-up calls, then ``--runs`` (≥ 7)
+   calls, each from its first kernel's start to its last kernel's end; the
+   median is kept, with GB/s (bytes read + written) or TFLOP/s.
+
+Every result is written to a JSON file as soon as it is known, so an
+interrupted sweep resumes where it stopped. The file's header names the device,
+driver, template hash (of the family's template files' text), problem size and
+parameter names; resuming against another device, driver or template is
+refused. ``--save`` writes the fastest correct configuration into the user
+tuning database; ``--plot`` draws the sweep (matplotlib, when installed).
+
+A family is one :class:`Family` entry in :data:`FAMILIES`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pyopencl.tools as cl_tools
+
+from . import reference as ref
+from . import runtime, tuning
+from .profile import Profile, measure
+from .program import KERNEL_DIR
+
+MIN_RUNS = 7
+
+
+@dataclasses.dataclass
+class Case:
+    """One problem ready to run: ``call()`` enqueues the op and returns its outputs in the order of ``want``."""
+
+    call: object
+    want: tuple
+    tol: float
+    unit: str  # "GB/s" or "TFLOP/s"
+    work: float  # bytes read + written, or FLOPs, per call
+
+
+@dataclasses.dataclass
+class Family:
+    op: str  # name in the tuning database
+    templates: tuple  # template files whose text (and includes) the results depend on
+    shape_class: dict  # default shape class; --class overrides
+    space: object  # space(shape_class) -> {name: [candidates]} in sweep order
+    restrictions: tuple  # ((text, pred(params, dev, shape_class)), ...): configurations to leave out
+    problem: object  # problem(shape_class, small) -> {size name: int}
+    prepare: object  # prepare(queue, shape_class, problem) -> Case
+    doc: str
+
+
+def _pool(queue):
+    return cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+
+
+def _upload(queue, *arrays):
+    return [cla.to_device(queue, a) for a in arrays]
+
+
+def _nbytes(*shapes):
+    return 4 * sum(int(np.prod(s)) for s in shapes)
+
+
+# ---- elementwise: swiglu forward + backward stand in for the family (one parameter set) ----
+
+def _elementwise(queue, sc, pb):
+    import clops
+
+    shape = (pb["rows"], pb["width"])
+    a, b, dc = ref.rnd(shape, 1, 4.0), ref.rnd(shape, 2, 2.0), ref.rnd(shape, 3, 1.0)
+    da, db, ddc = _upload(queue, a, b, dc)
+    pool = _pool(queue)
+
+    def call():
+        return (clops.swiglu(queue, da, db, allocator=pool), *clops.swiglu_bwd(queue, da, db, ddc, allocator=pool))
+
+    return Case(call, (ref.swiglu(a, b), *ref.swiglu_bwd(a, b, dc)), 1e-6, "GB/s", _nbytes(*[shape] * 8))
+
+
+# ---- RMSNorm rows (forward + backward) and the gain gradient ----
+
+def _norm_data(queue, pb, d):
+    n = pb["rows"]
+    x, w, dy = ref.rnd((n, d), 1, 2.0), ref.rnd(d, 2, 1.0), ref.rnd((n, d), 3, 1.0)
+    return (x, w, dy), _upload(queue, x, w, dy)
+
+
+def _rms_norm(queue, sc, pb):
+    import clops
+
+    d = sc["d"]
+    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
+    pool = _pool(queue)
+    y, inv = ref.rms_norm(x, w)
+
+    def call():
+        y_, inv_ = clops.rms_norm(queue, dx_, dw_, allocator=pool)
+        return y_, inv_, clops.rms_norm_bwd(queue, dx_, dw_, inv_, ddy, allocator=pool)
+
+    n = pb["rows"]
+    work = _nbytes((n, d), (d,), (n, d), (n,)) + _nbytes((n, d), (d,), (n,), (n, d), (n, d))
+    return Case(call, (y, inv, ref.rms_norm_bwd(x, w, inv, dy)), 1e-6, "GB/s", work)
+
+
+def _rms_norm_dw(queue, sc, pb):
+    import clops
+
+    d, n = sc["d"], pb["rows"]
+    (x, w, dy), (dx_, _, ddy) = _norm_data(queue, pb, d)
+    _, inv = ref.rms_norm(x, w)
+    (dinv,) = _upload(queue, inv.astype(np.float32))
+    pool = _pool(queue)
+    return Case(lambda: (clops.rms_norm_dw(queue, dx_, dinv, ddy, allocator=pool),),
+                (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), 1e-5, "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
+
+
+# ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
+
+def attention_flops(windows, window, nh, hd):
+    """Forward FLOPs of causal attention (DESIGN.md); the backward counts 2.5 times as many."""
+    return 4 * windows * nh * window * window * hd / 2
+
+
+def _attention_data(pb, hd):
+    n = pb["windows"] * pb["window"]
+    q = ref.rnd((n, pb["nh"], hd), 1, 1.0)
+    k, v = ref.rnd((n, pb["nkv"], hd), 2, 1.0), ref.rnd((n, pb["nkv"], hd), 3, 1.0)
+    return q, k, v
+
+
+def _attention_fwd(queue, sc, pb):
+    import clops
+
+    q, k, v = _attention_data(pb, sc["hd"])
+    dq, dk, dv = _upload(queue, q, k, v)
+    pool = _pool(queue)
+    return Case(lambda: clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool),
+                ref.attention(q, k, v, window=pb["window"]), 1e-5, "TFLOP/s",
+                attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
+
+
+def _attention_bwd(queue, sc, pb):
+    import clops
+
+    q, k, v = _attention_data(pb, sc["hd"])
+    o, lse = (a.astype(np.float32) for a in ref.attention(q, k, v, window=pb["window"]))
+    do = ref.rnd(o.shape, 4, 1.0)
+    dev_args = _upload(queue, q, k, v, o, lse, do)
+    pool = _pool(queue)
+    return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], allocator=pool),
+                ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), 1e-5, "TFLOP/s",
+                2.5 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
+
+
+def _wg_fits(wg):
+    return ("work-items per group ≤ CL_DEVICE_MAX_WORK_GROUP_SIZE", lambda p, dev, sc: wg(p) <= dev.max_work_group_size)
+
+
+def _divides(a, b):
+    return (f"{a} divides {b}", lambda p, dev, sc: p[b] % p[a] == 0)
+
+
+def _attention_problem(sc, small):
+    if small:
+        return {"windows": 2, "window": 48, "nh": 4, "nkv": 2}
+    return {128: {"windows": 8, "window": 2048, "nh": 32, "nkv": 8},
+            256: {"windows": 4, "window": 4096, "nh": 16, "nkv": 2}}.get(sc["hd"],
+                                                                          {"windows": 16, "window": 1024, "nh": 12,
+                                                                           "nkv": 12})
+
+
+def _fwd_local_bytes(p, dev, sc):
+    # The formula of clops/attention.py's docstring; the op itself rejects what does not fit.
+    step = p["tx"] * p["vw"]
+    hdp = -(-sc["hd"] // step) * step
+    bq, bk, dc, vw, kc, tx = p["bq"], p["bk"], p["dc"], p["vw"], p["kc"], p["tx"]
+    return 4 * (max((bq + bk) * (dc + vw), kc * (hdp + vw)) + bk * (bq + 4) + bq * tx) <= dev.local_mem_size
+
+
+_TOKENS = 16384  # DESIGN.md's memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
+FAMILIES = {
+    "elementwise": Family(
+        "elementwise", ("elementwise.cl.mako",), {},
+        lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "ept": [1, 2, 4, 8, 16]},
+        (_wg_fits(lambda p: p["wg"]),),
+        lambda sc, small: {"rows": 64, "width": 960} if small else {"rows": _TOKENS, "width": 3 * 5120},
+        _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
+    "rms_norm": Family(
+        "rms_norm", ("rms_norm.cl.mako",), {"d": 5120},
+        lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
+        (_wg_fits(lambda p: p["wg"]), _divides("rpg", "wg")),
+        lambda sc, small: {"rows": 256 if small else _TOKENS},
+        _rms_norm, "rms_norm + rms_norm_bwd on [rows, d]"),
+    "rms_norm_dw": Family(
+        "rms_norm_dw", ("rms_norm.cl.mako",), {"d": 5120},
+        lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
+        (_wg_fits(lambda p: p["wg"]),),
+        lambda sc, small: {"rows": 256 if small else _TOKENS},
+        _rms_norm_dw, "rms_norm_dw on [rows, d]"),
+    "attention_fwd": Family(
+        "attention_fwd", ("attention_fwd.cl.mako",), {"hd": 128},
+        lambda sc: {"bq": [16, 32, 64, 128], "rq": [1, 2, 4, 8], "tx": [4, 8, 16, 32], "bk": [16, 32, 64, 128],
+                    "vw": [1, 2, 4], "dc": [16, 32, 64], "kc": [8, 16, 32]},
+        (_divides("rq", "bq"), _divides("tx", "bk"), _divides("kc", "bk"), _divides("vw", "dc"),
+         _wg_fits(lambda p: p["tx"] * p["bq"] // p["rq"]),
+         ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _fwd_local_bytes)),
+        _attention_problem, _attention_fwd, "attention forward on [windows·window, nh|nkv, hd]"),
+}
+
+
+# ---- the sweep ----
+
+def template_hash(templates):
+    """sha256 over the text of ``templates`` and every template they include (``file="..."``)."""
+    h, seen, todo = hashlib.sha256(), set(), list(templates)
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        text = (KERNEL_DIR / name).read_text()
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+        todo.extend(sorted(set(re.findall(r'file="([^"]+)"', text))))
+    return h.hexdigest()
+
+
+def configurations(space, restrictions, dev, sc):
+    """(kept, left_out): the product of the lists in order, and {restriction text: count} of those left out."""
+    names = list(space)
+    kept, left_out = [], {}
+    for values in itertools.product(*(space[k] for k in names)):
+        p = dict(zip(names, values))
+        failed = next((text for text, pred in restrictions if not pred(p, dev, sc)), None)
+        if failed is None:
+            kept.append(p)
+        else:
+            left_out[failed] = left_out.get(failed, 0) + 1
+    return kept, left_out
+
+
+def _key(params):
+    return json.dumps(params, sort_keys=True)
+
+
+def header(fam, dev, sc, problem, space):
+    platform, name, driver = runtime.device_identity(dev)
+    return {"tool": "clops tune", "op": fam.op, "shape_class": sc,
+            "device": {"platform": platform, "name": name, "driver": driver, "key": tuning.device_key(dev)},
+            "template_hash": template_hash(fam.templates), "templates": list(fam.templates),
+            "problem": problem, "params": list(space)}
+
+
+def load_results(path, head):
+    """The results already in ``path`` for this exact header; ValueError when the header differs."""
+    with open(path) as f:
+        old = json.load(f)
+    oh = old.get("header", {})
+    if oh.get("device") != head["device"]:
+        d = oh.get("device", {})
+        raise ValueError(f"{path} holds results from {d.get('name')!r} (driver {d.get('driver')!r}, "
+                         f"{d.get('platform')!r}); this is {head['device']['name']!r} (driver "
+                         f"{head['device']['driver']!r}, {head['device']['platform']!r}): refusing to resume "
+                         "(pass --fresh to start over, or another --out)")
+    if oh.get("template_hash") != head["template_hash"]:
+        raise ValueError(f"{path} was made with other template text ({', '.join(head['templates'])} changed "
+                         "since): refusing to resume (pass --fresh to start over, or another --out)")
+    for field in ("op", "shape_class", "problem", "params"):
+        if oh.get(field) != head[field]:
+            raise ValueError(f"{path} was made for {field} {oh.get(field)!r}, this sweep has {head[field]!r}: "
+                             "refusing to resume (pass --fresh to start over, or another --out)")
+    return old.get("results", [])
+
+
+def _write(path, head, results):
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps({"header": head, "results": results}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _reason(e):
+    lines = str(e).strip().splitlines() or [""]
+    text = lines[0] + (f" (+{len(lines) - 1} lines)" if len(lines) > 1 else "")
+    return f"{type(e).__name__}: {text}"
+
+
+def evaluate(queue, fam, case, sc, params, runs, warmup):
+    """The result of one configuration: status ok | wrong | failed, with its reason or figures."""
+    dev = queue.device
+    tuning.override(fam.op, sc, params, device=dev)
+    try:
+        with Profile(queue) as prof:
+            outs = case.call()
+        err = max(ref.rel_err(o.get(), w) for o, w in zip(outs, case.want))
+        used = {r.name: {k: v for k, v in r.params.items() if k != "checked"} for r in prof.launches}
+        if not err <= case.tol:
+            return {"params": params, "status": "wrong", "err": err, "used": used,
+                    "reason": f"rel err {err:.2e} > {case.tol:.0e}"}
+        ms, times = measure(queue, case.call, warmup=warmup, runs=runs)
+    except (ValueError, RuntimeError, cl.Error) as e:
+        return {"params": params, "status": "failed", "reason": _reason(e)}
+    finally:
+        tuning.override(fam.op, sc, None, device=dev)
+    figure = case.work / (ms * 1e6) if case.unit == "GB/s" else case.work / (ms * 1e9)
+    return {"params": params, "status": "ok", "err": err, "ms": ms, case.unit: figure, "times_ms": times,
+            "used": used}
+
+
+def _progress(i, total, params, r, best, out):
+    width = 20
+    done = round(width * i / total) if total else width
+    bar = "#" * done + "-" * (width - done)
+    what = {"ok": lambda: f"{r['ms']:.4f} ms", "wrong": lambda: "WRONG " + r["reason"],
+            "failed": lambda: "FAILED " + r["reason"]}[r["status"]]()
+    best_text = f" | best {best['ms']:.4f} ms" if best else ""
+    out(f"[{bar}] {i}/{total} {_fmt(params)}: {what[:120]}{best_text}")
+
+
+def _fmt(params):
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, restrict=True, sample=None, seed=0,
+          budget_s=None, fresh=False, out=print):
+    """Run (or resume) a sweep; returns (header, results). Results are in the file after every configuration."""
+    if runs < MIN_RUNS:
+        raise ValueError(f"runs: at least {MIN_RUNS} timed runs, got {runs}")
+    dev = queue.device
+    head = header(fam, dev, sc, problem, space)
+    results = [] if fresh or not Path(path).exists() else load_results(path, head)
+    configs, left_out = configurations(space, fam.restrictions if restrict else (), dev, sc)
+    for text, count in left_out.items():
+        out(f"left out by restriction '{text}': {count}")
+    if sample is not None and sample < len(configs):
+        picked = set(random.Random(seed).sample(range(len(configs)), sample))
+        configs = [p for i, p in enumerate(configs) if i in picked]
+    done = {_key(r["params"]) for r in results}
+    todo = [p for p in configs if _key(p) not in done]
+    out(f"{fam.op} {tuning.shape_key(sc) or '(no shape class)'} on {dev.name.strip()}: {len(configs)} "
+        f"configurations, {len(configs) - len(todo)} already in {path}, problem {problem}")
+    case = fam.prepare(queue, sc, problem)
+    best = min((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"], default=None)
+    start = time.monotonic()
+    for i, params in enumerate(todo, len(configs) - len(todo) + 1):
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            out(f"time budget of {budget_s} s spent: stopping; run again to resume")
+            break
+        r = evaluate(queue, fam, case, sc, params, runs, warmup)
+        results.append(r)
+        _write(path, head, results)
+        if r["status"] == "ok" and (best is None or r["ms"] < best["ms"]):
+            best = r
+        _progress(i, len(configs), params, r, best, out)
+    if not Path(path).exists():
+        _write(path, head, results)
+    return head, results
+
+
+def best_result(results):
+    return min((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"], default=None)
+
+
+def table(head, results, top=20):
+    """The results as text: the fastest ``top`` correct ones, then every wrong or failed one with its reason."""
+    names = head["params"]
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"])
+    unit = next((u for u in ("GB/s", "TFLOP/s") if ok and u in ok[0]), "")
+    cols = "".join(f"{n:>6}" for n in names)
+    lines = [f"{cols} {'ms':>10} {unit:>9} {'rel err':>9}"]
+    for r in ok[:top]:
+        vals = "".join(f"{r['params'][n]!s:>6}" for n in names)
+        lines.append(f"{vals} {r['ms']:>10.4f} {r[unit]:>9.3g} {r['err']:>9.1e}")
+    if len(ok) > top:
+        lines.append(f"... {len(ok) - top} more correct configurations")
+    for r in results:
+        if r["status"] != "ok":
+            vals = "".join(f"{r['params'][n]!s:>6}" for n in names)
+            lines.append(f"{vals} {r['status'].upper():>10} {r['reason'][:140]}")
+    counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "wrong", "failed")}
+    lines.append(f"{len(results)} configurations: {counts['ok']} correct, {counts['wrong']} wrong, "
+                 f"{counts['failed']} failed")
+    return "\n".join(lines)
+
+
+def plot(head, results, path):
+    """A PNG of time per configuration in sweep order, the best marked; False (and why) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False, "--plot: matplotlib is not installed, so no chart was written (pip install matplotlib)"
+    ok = [r for r in results if r["status"] == "ok"]
+    if not ok:
+        return False, "--plot: no correct configuration to draw"
+    best = best_result(results)
+    fig, ax = plt.subplots(figsize=(max(6, 0.12 * len(ok)), 4))
+    ax.bar(range(len(ok)), [r["ms"] for r in ok], color=["tab:red" if r is best else "tab:blue" for r in ok])
+    ax.set_xlabel("configuration (sweep order)")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"{head['op']} {tuning.shape_key(head['shape_class'])} on {head['device']['name']}: "
+                 f"best {_fmt(best['params'])}, {best['ms']:.4f} ms", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True, f"chart written to {path}"
+
+
+# ---- command line ----
+
+def _value(text):
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _pairs(items, what):
+    out = {}
+    for item in items or ():
+        if "=" not in item:
+            raise SystemExit(f"{what} {item!r}: expected NAME=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _list_families(out=print):
+    for name, fam in FAMILIES.items():
+        out(f"{name}: {fam.doc}; shape class {fam.shape_class or '{}'}")
+        for k, v in fam.space(fam.shape_class).items():
+            out(f"    {k}: {v}")
+        for text, _ in fam.restrictions:
+            out(f"    restriction: {text}")
+
+
+def main(argv=None, queue=None):
+    p = argparse.ArgumentParser(prog="python -m clops tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("op", nargs="?", help="tuning-database op name (--list shows them)")
+    p.add_argument("--list", action="store_true", help="list the op families, their parameters and restrictions")
+    p.add_argument("--class", dest="sclass", action="append", metavar="K=V", help="shape class entry, e.g. hd=128")
+    p.add_argument("--size", action="append", metavar="K=V", help="problem size entry, e.g. rows=4096")
+    p.add_argument("--param", action="append", metavar="NAME=V1,V2",
+                   help="candidates of one parameter, in order (replaces the family's list)")
+    p.add_argument("--small", action="store_true", help="small default problem (CPUs)")
+    p.add_argument("--runs", type=int, default=MIN_RUNS, help=f"timed runs per configuration (≥ {MIN_RUNS})")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    p.add_argument("--out", help="results file (default: clops-tune-<op>-<class>-<device>.json here)")
+    p.add_argument("--fresh", action="store_true", help="start over instead of resuming the results file")
+    p.add_argument("--sample", type=int, help="time only this many configurations, drawn at random (--seed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, help="stop after this many seconds (the file resumes)")
+    p.add_argument("--no-restrictions", action="store_true",
+                   help="try every configuration; the op's own checks reject the invalid ones")
+    p.add_argument("--top", type=int, default=20, help="correct configurations shown in the table")
+    p.add_argument("--plot", metavar="PNG", help="save a chart of the sweep (needs matplotlib)")
+    p.add_argument("--save", action="store_true", help="write the best configuration to the user tuning database")
+    a = p.parse_args(argv)
+    if a.list or not a.op:
+        _list_families()
+        return 0 if a.list else 2
+    fam = FAMILIES.get(a.op)
+    if fam is None:
+        print(f"unknown op {a.op!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
+    sc = dict(fam.shape_class, **{k: _value(v) for k, v in _pairs(a.sclass, "--class").items()})
+    problem = dict(fam.problem(sc, a.small), **{k: int(v) for k, v in _pairs(a.size, "--size").items()})
+    space = fam.space(sc)
+    for k, v in _pairs(a.param, "--param").items():
+        if k not in space:
+            print(f"--param {k}: {fam.op} has no parameter {k!r} (it has {', '.join(space)})", file=sys.stderr)
+            return 2
+        space[k] = [_value(x) for x in v.split(",") if x]
+    queue = queue or runtime.default_queue(profiling=True)
+    dev = queue.device
+    path = a.out or f"clops-tune-{fam.op}-{re.sub('[^A-Za-z0-9]+', '', tuning.shape_key(sc)) or 'all'}-" \
+                    f"{tuning.device_key(dev)}.json"
+    try:
+        head, results = sweep(queue, fam, sc, problem, space, path, runs=a.runs, warmup=a.warmup,
+                              restrict=not a.no_restrictions, sample=a.sample, seed=a.seed, budget_s=a.budget_s,
+                              fresh=a.fresh)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the results so far are in {path}; run the same command again to resume")
+        return 130
+    except ValueError as e:
+        print(f"clops tune: {e}", file=sys.stderr)
+        return 2
+    print(table(head, results, a.top))
+    best = best_result(results)
+    if a.plot:
+        print(plot(head, results, a.plot)[1])
+    if a.save:
+        if best is None:
+            print("--save: no correct configuration, nothing saved")
+            return 1
+        saved = tuning.save(dev, fam.op, sc, best["params"])
+        print(f"saved {_fmt(best['params'])} for {fam.op} {tuning.shape_key(sc) or '{}'} to {saved}")
+    return 0 if best is not None else 1
