@@ -1,0 +1,152 @@
+"""Per-head q/k RMSNorm with partial RoPE: forward and backward. Template: ``qk_norm_rope.cl.mako``.
+
+``x`` is ``[n, heads, hd]`` (or ``[n, heads·hd]``, ``hd = len(w)``); each (row, head) unit is
+RMS-normalised over ``hd`` with gain ``w`` (gemma style ``1 + w`` by default), then its first
+``2·half`` dims are rotated with half-split pairing ``(i, i + half)`` by the angle of position
+``row mod window``; the other dims pass through. ``hd``: a multiple of 4 up to 512.
+
+The rotation table ``rope`` is a device array ``[table, half, 2]`` (cos, sin), e.g.
+``cla.to_device(queue, rope_table(window, half, theta=...))``; ``window`` defaults to its
+length and may be given shorter (a table too short for ``window`` is an error). No rotation
+(``half = 0``): pass ``rope=None`` or the empty ``[table, 0, 2]`` array (pyopencl holds
+such arrays without a buffer). Outputs must not overlap inputs.
+
+Tuning (``clops.tuning``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
+``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
+two ≤ ``vw`` dividing ``hd`` is used), ``upg`` units (row, head) handled at a time by a
+group (divides ``wg``), ``rb`` units per backward group, i.e. per partial row of the dw
+reduction (a multiple of ``upg``). The dw column sum uses op ``"rms_norm_dw"``'s ``wg``
+at ``{"d": hd}`` (see :mod:`clops.norm`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl.array as cla
+
+from . import tuning
+from .args import check_array, check_queue, events, finite_float, index_type, output, positive_int
+from .norm import _pow2_ceil, check_params, column_sum, vector_width
+from .program import LimitError, kernels
+
+TEMPLATE = "qk_norm_rope.cl.mako"
+MAX_HD = 512
+
+
+def heuristic(dev, hd):
+    """One vector of 4 per work-item up to 128 work-items per unit; groups of at least 128."""
+    cap = int(min(dev.max_work_group_size, 1024))
+    vw = vector_width(4, hd)
+    tpu = min(_pow2_ceil(hd // vw), 128, cap)
+    wg = max(tpu, min(128, cap))
+    return {"wg": wg, "vw": vw, "upg": wg // tpu, "rb": 32 * (wg // tpu)}
+
+
+def params_for(dev, hd):
+    """Template parameters at head dim ``hd`` (rotary half not included)."""
+    p = check_params("qk_norm_rope", tuning.choose(dev, "qk_norm_rope", {"hd": hd}, lambda: heuristic(dev, hd)),
+                     ("wg", "vw", "upg", "rb"))
+    if p["wg"] % p["upg"] or p["rb"] % p["upg"]:
+        raise ValueError(f"qk_norm_rope parameters {p}: upg must divide wg and rb")
+    p["vw"] = vector_width(p["vw"], hd)
+    p["ch"] = -(-hd // (p["vw"] * (p["wg"] // p["upg"])))
+    local = 4 * (p["upg"] * hd + p["wg"])
+    if local > dev.local_mem_size:
+        raise LimitError(f"qk_norm_rope {p} at hd={hd}: needs {local} bytes of local memory, "
+                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
+    return p
+
+
+def _geometry(queue, x, w):
+    """(n, heads, hd) of ``x`` with gain ``w``; the head dim is checked."""
+    check_array("x", x, queue)
+    check_array("w", w, queue, ndim=1)
+    hd = w.shape[0]
+    if x.ndim == 3:
+        if x.shape[2] != hd:
+            raise ValueError(f"w: expected shape ({x.shape[2]},) (the head dim of x {x.shape}), got {w.shape}")
+        n, heads = x.shape[:2]
+    elif x.ndim == 2:
+        if x.shape[1] % hd:
+            raise ValueError(f"w: head dim {hd} does not divide the rows of x {x.shape}")
+        n, heads = x.shape[0], x.shape[1] // hd
+    else:
+        raise ValueError(f"x: expected [n, heads, hd] or [n, heads·hd], got shape {x.shape}")
+    if hd % 4 or hd > MAX_HD:
+        raise ValueError(f"x: unsupported head dim {hd} (a multiple of 4 up to {MAX_HD})")
+    return n, heads, hd
+
+
+def _rope(queue, rope, hd, window):
+    """(half, window, rope or None) checked against head dim ``hd``."""
+    if rope is None:
+        return 0, 1, None
+    if isinstance(rope, cla.Array) and rope.size == 0:
+        if rope.dtype != np.float32:
+            raise TypeError(f"rope: dtype must be float32, got {rope.dtype}")
+        if rope.ndim != 3 or rope.shape[1:] != (0, 2):
+            raise ValueError(f"rope: expected shape [table, half, 2], got {rope.shape}")
+        return 0, 1, None
+    check_array("rope", rope, queue, ndim=3)
+    table, half, two = rope.shape
+    if two != 2:
+        raise ValueError(f"rope: expected shape [table, half, 2] (cos, sin), got {rope.shape}")
+    if 2 * half > hd:
+        raise ValueError(f"rope: half {half} exceeds hd/2 = {hd // 2}")
+    window = table if window is None else positive_int("window", window)
+    if window > table:
+        raise ValueError(f"rope: the table has {table} positions, too short for window {window}")
+    return half, window, rope
+
+
+def _kernel(queue, name, units, hd, half):
+    p = params_for(queue.device, hd)
+    idx = index_type(units * hd + p["rb"] * hd)
+    knl = kernels(queue, TEMPLATE, dict(p, hd=hd, half=half, idx=idx), work_group_size=p["wg"])[name]
+    itype = np.uint32 if idx == "uint" else np.uint64
+    return p, knl, itype(units)
+
+
+def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=None, inv=None, wait_for=None,
+                 allocator=None):
+    """``(y, inv)``: per-head RMSNorm of ``x`` then RoPE; ``inv [n, heads]`` = 1/rms per unit."""
+    check_queue(queue)
+    eps = finite_float("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps: must be ≥ 0, got {eps}")
+    n, heads, hd = _geometry(queue, x, w)
+    half, window, rope = _rope(queue, rope, hd, window)
+    y = output("out", out, queue, x.shape, allocator)
+    inv = output("inv", inv, queue, (n, heads), allocator)
+    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half)
+    args = [y.data, inv.data, x.data, w.data] + ([rope.data] if half else [])
+    args += [units, np.uint32(heads), np.uint32(window), np.float32(eps), np.float32(1.0 if gemma else 0.0)]
+    evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope))
+    y.add_event(evt)
+    inv.add_event(evt)
+    return y, inv
+
+
+def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=None, dw=None, wait_for=None,
+                     allocator=None):
+    """``(dx, dw)``: the inverse rotation of ``dy``, then the RMSNorm backward.
+
+    ``dx`` is written; ``dw [hd]`` is summed over rows and heads, written, or added into a given ``dw``.
+    """
+    check_queue(queue)
+    n, heads, hd = _geometry(queue, x, w)
+    half, window, rope = _rope(queue, rope, hd, window)
+    check_array("inv", inv, queue, shape=(n, heads))
+    check_array("dy", dy, queue, shape=x.shape)
+    accumulate = dw is not None
+    dx = output("dx", dx, queue, x.shape, allocator)
+    dw = output("dw", dw, queue, (hd,), allocator)
+    p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half)
+    blocks = -(-int(units) // p["rb"])
+    partial = cla.empty(queue, (blocks, hd), np.float32, allocator=allocator)
+    args = [dx.data, partial.data, x.data, w.data, inv.data] + ([rope.data] if half else [])
+    args += [dy.data, units, np.uint32(heads), np.uint32(window), np.float32(1.0 if gemma else 0.0)]
+    evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
+    dx.add_event(evt)
+    evt = column_sum(queue, partial, dw, accumulate, wait_for=[evt])
+    dw.add_event(evt)
+    return dx, dw
