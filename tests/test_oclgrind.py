@@ -1,0 +1,182 @@
+"""Every kernel of every family under the oclgrind simulator, at tiny shapes.
+
+Selected by the `oclgrind` marker (CI runs it as its own step). Each family runs
+in a subprocess whose only OpenCL platform is oclgrind (its ICD in a folder of
+its own through OCL_ICD_VENDORS), so this process's ICD setup is untouched. The
+simulator checks out-of-bounds accesses and barrier divergence always, data
+races (OCLGRIND_DATA_RACES), uninitialised values (OCLGRIND_UNINITIALIZED) and
+API misuse (OCLGRIND_CHECK_API) on request; it writes what it finds to
+OCLGRIND_LOG, which must come back empty. Tile parameters are overridden small
+so that every shape covers partial tiles, partial work-groups and vector tails
+while the simulator stays within seconds per family. The subprocess also checks
+the results against the float64 reference and that every kernel of every
+program it built was launched.
+
+Run the subprocess by hand: python tests/test_oclgrind.py <family> (with the
+environment `_environment` builds).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+OCLGRIND_ICD = "/usr/lib/oclgrind/liboclgrind-rt-icd.so"
+pytestmark = pytest.mark.oclgrind
+
+
+# ---- runs inside the subprocess: one function per family, every kernel at tiny shapes ----
+
+def _expect(name, got, want, tol=1e-5):
+    from clops.reference import rel_err
+
+    err = rel_err(got.get(), want)
+    if not err <= tol:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.0e} under oclgrind")
+
+
+def run_elementwise(queue):
+    import pyopencl.array as cla
+
+    import clops
+    from clops import reference as ref, tuning
+    from clops.reference import rnd
+
+    rows, width = 7, 37  # 259 elements: partial groups and a vector tail for every tile below
+    a, b, dc = rnd((rows, width), 1, 3.0), rnd((rows, width), 2, 2.0), rnd((rows, width), 3, 1.0)
+    gate, rw = rnd(width, 4, 0.5) + 0.6, abs(rnd(rows, 5, 1.0))
+    da_, db_, dc_, g_, rw_ = (cla.to_device(queue, x) for x in (a, b, dc, gate, rw))
+    for params in ({"wg": 16, "vw": 4, "ept": 2}, {"wg": 8, "vw": 1, "ept": 3}, None):  # None: the device's default
+        tuning.override("elementwise", {}, params)
+        _expect("swiglu", clops.swiglu(queue, da_, db_), ref.swiglu(a, b))
+        for got, want in zip(clops.swiglu_bwd(queue, da_, db_, dc_), ref.swiglu_bwd(a, b, dc)):
+            _expect("swiglu_bwd", got, want)
+        for weight in (None, rw):
+            got = clops.swiglu_limit(queue, da_, db_, limit=1.5, scale=0.5, row_weight=None if weight is None else rw_)
+            _expect("swiglu_limit", got, ref.swiglu_limit(a, b, limit=1.5, scale=0.5, row_weight=weight))
+        _expect("swiglu_gated", clops.swiglu_gated(queue, da_, db_, g_), ref.swiglu_gated(a, b, gate))
+        for got, want in zip(clops.swiglu_gated_bwd(queue, da_, db_, g_, dc_), ref.swiglu_gated_bwd(a, b, gate, dc)):
+            _expect("swiglu_gated_bwd", got, want)
+        _expect("sigmoid_gate", clops.sigmoid_gate(queue, da_, db_), ref.sigmoid_gate(a, b))
+        for got, want in zip(clops.sigmoid_gate_bwd(queue, da_, db_, dc_), ref.sigmoid_gate_bwd(a, b, dc)):
+            _expect("sigmoid_gate_bwd", got, want)
+        _expect("add", clops.add(queue, da_, db_), ref.add(a, b))
+
+
+FAMILIES = {
+    "elementwise": run_elementwise,
+}
+
+# Throwaway kernels, each with one planted fault of a kind the simulator must report.
+PLANTED = {
+    "out_of_bounds": ("invalid write", """
+        __kernel __attribute__((reqd_work_group_size(4, 1, 1))) void planted(__global float *a)
+        { a[get_global_id(0) + 1] = 1.0f; }"""),
+    "data_race": ("data race", """
+        __kernel __attribute__((reqd_work_group_size(4, 1, 1))) void planted(__global float *a)
+        { __local float s[4]; s[get_local_id(0)] = 1.0f; a[get_global_id(0)] = s[(get_local_id(0) + 1) % 4]; }"""),
+    "uninitialized": ("uninitialized value", """
+        __kernel __attribute__((reqd_work_group_size(4, 1, 1))) void planted(__global float *a)
+        { __local float s[4]; if (get_local_id(0) > 0) s[get_local_id(0)] = 1.0f; barrier(CLK_LOCAL_MEM_FENCE);
+          if (s[0] > 0.0f) a[get_global_id(0)] = s[get_local_id(0)]; }"""),
+    "barrier_divergence": ("divergence", """
+        __kernel __attribute__((reqd_work_group_size(4, 1, 1))) void planted(__global float *a)
+        { if (get_local_id(0) < 2) barrier(CLK_LOCAL_MEM_FENCE); a[get_global_id(0)] = 1.0f; }"""),
+}
+
+
+def run_planted(queue, kind):
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    prg = cl.Program(queue.context, PLANTED[kind][1]).build(options=["-cl-std=CL1.2"])
+    a = cla.zeros(queue, 4, np.float32)
+    prg.planted(queue, (4,), (4,), a.data)
+
+
+def _subprocess_main(what):
+    import pyopencl as cl
+
+    import clops.program
+
+    (platform,) = cl.get_platforms()  # the environment registers oclgrind only
+    assert platform.name == "Oclgrind", platform.name
+    queue = cl.CommandQueue(cl.Context(platform.get_devices()))
+    if what in PLANTED:
+        run_planted(queue, what)
+        queue.finish()
+        return
+    launched = set()
+    clops.program.observers["oclgrind-test"] = lambda q, knl, size, evt: launched.add((knl.template, knl.name))
+    FAMILIES[what](queue)
+    queue.finish()
+    built = {(k.template, k.name) for progs in clops.program._programs.values() for p in progs.values()
+             for k in p.values()}
+    if built - launched:
+        raise AssertionError(f"{what}: kernels built but never launched: {sorted(built - launched)}")
+    print(f"{what}: {len(launched)} kernels ran: {sorted(n for _, n in launched)}")
+
+
+# ---- the tests: run a family (or a planted fault) in a subprocess, read oclgrind's log ----
+
+def _environment(folder):
+    import clops
+
+    icd_dir = folder / "icd"
+    icd_dir.mkdir()
+    (icd_dir / "oclgrind.icd").write_text(OCLGRIND_ICD + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYOPENCL_", "CLOPS_", "OCLGRIND_"))}
+    # The subprocess imports the clops this process imported, built from source every time.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(clops.__file__)))
+    env.update(
+        OCL_ICD_VENDORS=str(icd_dir), PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])),
+        CLOPS_NO_CACHE="1", OCLGRIND_DATA_RACES="1", OCLGRIND_UNINITIALIZED="1", OCLGRIND_CHECK_API="1",
+        OCLGRIND_LOG=str(folder / "oclgrind.log"),
+    )
+    return env
+
+
+def diagnostics(log):
+    """oclgrind's reports in ``log``: each a head line with its indented detail lines.
+
+    pyopencl's build probes a device property oclgrind does not know; the API check
+    reports that clGetDeviceInfo call, which is no fault of the kernels and is dropped.
+    """
+    reports = []
+    for line in log.splitlines():
+        if line.strip() and not line[0].isspace():
+            reports.append(line)
+        elif reports and line.strip():
+            reports[-1] += "\n" + line
+    probe = ("Function: clGetDeviceInfo", "CL_INVALID_VALUE", "'param_name'")
+    return [r for r in reports if not all(p in r for p in probe)]
+
+
+def run_under_oclgrind(tmp_path, what, timeout=300):
+    """(subprocess result, oclgrind's reports) of running ``what`` in a fresh interpreter."""
+    env = _environment(tmp_path)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), what], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    log = tmp_path / "oclgrind.log"
+    return proc, diagnostics(log.read_text() if log.exists() else "")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_is_clean_under_oclgrind(tmp_path, family):
+    proc, reports = run_under_oclgrind(tmp_path, family)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "kernels ran" in proc.stdout, proc.stdout + proc.stderr
+    assert not reports, "\n\n".join(reports[:5])
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_planted_fault_is_reported(tmp_path, kind):
+    """The checks are really on: each planted fault shows up in oclgrind's log."""
+    proc, reports = run_under_oclgrind(tmp_path, kind, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any(PLANTED[kind][0] in r.lower() for r in reports), reports
+
+
+if __name__ == "__main__":
+    _subprocess_main(sys.argv[1])
