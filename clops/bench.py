@@ -1,0 +1,408 @@
+"""``python -m clops bench``: every op at DESIGN.md's benchmark shapes, against the device's limits.
+
+Memory-bound ops run at n = 16384 tokens, d = 5120 (the SwiGLU family at width
+3·d) and report GB/s counting the bytes of every input read and every output
+written once, as a fraction of the copy bandwidth measured in the same run (a
+device-to-device copy, read + write). Attention reports TFLOP/s (forward:
+4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that) as a fraction of
+the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
+the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
+device times from profiling events: warm-up, then 7 runs, median kept.
+
+``--peers`` adds PyTorch's figures for the same shapes when PyTorch with a GPU
+is importable in this process, and the ratio PyTorch ms / clops ms (above 1:
+clops is faster). ``--json PATH`` writes every figure keyed by op name.
+``--small`` uses small shapes, for CPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pyopencl.tools as cl_tools
+
+from . import runtime, tuning
+from .profile import measure
+
+RUNS, WARMUP = 7, 2
+ATTENTION = {  # name: (windows, window, nh, nkv, hd)
+    "qwen-hd256": (4, 4096, 16, 2, 256),
+    "llama-hd128": (8, 2048, 32, 8, 128),
+    "small-hd64": (16, 1024, 12, 12, 64),
+}
+ATTENTION_SMALL = {"qwen-hd256": (2, 64, 4, 2, 256), "llama-hd128": (2, 64, 8, 2, 128),
+                   "small-hd64": (2, 64, 4, 4, 64)}
+TOKENS, D = 16384, 5120
+TOKENS_SMALL, D_SMALL = 256, 512
+
+
+def fp32_lanes(dev):
+    """(FP32 lanes per compute unit, the basis of that number), or (None, why it is unknown)."""
+    vendor = tuning.vendor_key(dev)
+    if not dev.type & cl.device_type.GPU:
+        return None, "unknown for CPUs (SIMD width and FMA units per core are not reported)"
+    if vendor == "nvidia":
+        try:
+            major, minor = dev.compute_capability_major_nv, dev.compute_capability_minor_nv
+        except (cl.Error, AttributeError):
+            return None, "unknown: NVIDIA GPU without cl_nv_device_attribute_query"
+        # CUDA C programming guide, arithmetic throughput per SM: 64 on sm_70/75 and sm_80 (A100), 128 otherwise.
+        lanes = 64 if major == 7 or (major, minor) == (8, 0) else 128 if major >= 8 else None
+        if lanes is None:
+            return None, f"unknown for NVIDIA compute capability {major}.{minor}"
+        return lanes, f"NVIDIA sm_{major}{minor}: {lanes} FP32 lanes per SM"
+    if vendor == "amd":
+        return 64, "AMD: 64 FP32 lanes per CU (RDNA3's dual issue not counted)"
+    if vendor == "intel":
+        return 8, "Intel GPU: 8 FP32 lanes per EU (compute unit = EU)"
+    return None, f"unknown for vendor {dev.vendor.strip()!r}"
+
+
+def fp32_peak_tflops(dev):
+    """(peak TFLOP/s or None, the basis)."""
+    lanes, basis = fp32_lanes(dev)
+    if lanes is None:
+        return None, basis
+    peak = dev.max_compute_units * lanes * 2 * dev.max_clock_frequency * 1e6 / 1e12
+    return peak, f"{dev.max_compute_units} CUs × {lanes} lanes × 2 FLOP × {dev.max_clock_frequency} MHz ({basis})"
+
+
+def copy_bandwidth(queue, nbytes):
+    """Device-to-device copy of ``nbytes``, GB/s counting read + write (median of RUNS after WARMUP)."""
+    ctx = queue.context
+    src = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
+    dst = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
+    cl.enqueue_fill_buffer(queue, src, np.float32(1), 0, nbytes)
+    times = []
+    for i in range(WARMUP + RUNS):
+        evt = cl.enqueue_copy(queue, dst, src)
+        evt.wait()
+        if i >= WARMUP:
+            times.append((evt.profile.end - evt.profile.start) * 1e-9)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+@dataclasses.dataclass
+class Bench:
+    name: str
+    shape: str
+    unit: str  # "GB/s" or "TFLOP/s"
+    setup: object  # setup(queue, data) -> (fn, work); work in bytes (None: counted from the arrays) or FLOPs
+    peers: tuple = ()  # ((label, torch_fn(torch, dev) -> callable), ...)
+
+
+class Data:
+    """Seeded random device arrays, shared between benches of the same shapes."""
+
+    def __init__(self, queue):
+        self.queue, self.cache = queue, {}
+        self.pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+
+    def get(self, shape, seed, scale=1.0):
+        key = (tuple(shape), seed, scale)
+        if key not in self.cache:
+            host = np.random.default_rng(seed).random(shape, dtype=np.float32)
+            self.cache[key] = cla.to_device(self.queue, (host * 2 - 1) * scale)
+        return self.cache[key]
+
+    def clear(self):
+        self.cache.clear()
+        self.pool.free_held()
+
+
+def _nbytes(arrays):
+    return sum(a.nbytes for a in arrays if a is not None)
+
+
+def _flat(outs):
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def _mem(op, ins, **kw):
+    """A memory-bound bench: ``clops.<op>(queue, *ins, **kw)``; bytes = inputs + outputs."""
+
+    def setup(queue, data):
+        import clops
+
+        fn = getattr(clops, op)
+        arrays = [data.get(*s) for s in ins]
+        # keyword arrays are given as (shape, seed) like the positional ones
+        kwargs = {k: data.get(*v) if isinstance(v, tuple) else v for k, v in kw.items()}
+        call = lambda: fn(queue, *arrays, allocator=data.pool, **kwargs)  # noqa: E731
+        extra = [v for v in kwargs.values() if isinstance(v, cla.Array)]
+        return call, _nbytes(arrays) + _nbytes(extra) + _nbytes(_flat(call()))
+
+    return setup
+
+
+def _norm_bwd(n, d):
+    def setup(queue, data):
+        import clops
+
+        x, w, dy = data.get((n, d), 1), data.get((d,), 2), data.get((n, d), 3)
+        _, inv = clops.rms_norm(queue, x, w)
+
+        def call():
+            return clops.rms_norm_bwd(queue, x, w, inv, dy, allocator=data.pool), \
+                clops.rms_norm_dw(queue, x, inv, dy, allocator=data.pool)
+
+        return call, 4 * (3 * n * d + n + 2 * d)
+
+    return setup
+
+
+def _qk(backward, n, window, heads, hd):
+    def setup(queue, data):
+        import clops
+
+        x, w, dy = data.get((n, heads, hd), 1), data.get((hd,), 2), data.get((n, heads, hd), 3)
+        rope = cla.to_device(queue, clops.rope_table(window, hd // 4))
+        y, inv = clops.qk_norm_rope(queue, x, w, rope, allocator=data.pool)
+        if backward:
+            call = lambda: clops.qk_norm_rope_bwd(queue, x, w, inv, rope, dy, allocator=data.pool)  # noqa: E731
+            return call, _nbytes([x, w, inv, dy, x, w])  # reads x, w, inv, dy; writes dx, dw
+        return lambda: clops.qk_norm_rope(queue, x, w, rope, allocator=data.pool), _nbytes([x, w, y, inv])
+
+    return setup
+
+
+def attention_flops(windows, window, nh, hd):
+    return 4 * windows * nh * window * window * hd / 2
+
+
+def _attention(backward, windows, window, nh, nkv, hd):
+    def setup(queue, data):
+        import clops
+
+        n = windows * window
+        q, k, v = data.get((n, nh, hd), 1), data.get((n, nkv, hd), 2), data.get((n, nkv, hd), 3)
+        flops = attention_flops(windows, window, nh, hd)
+        if not backward:
+            return lambda: clops.attention(queue, q, k, v, window=window, allocator=data.pool), flops
+        do = data.get((n, nh, hd), 4)
+
+        def call():
+            o, lse = clops.attention(queue, q, k, v, window=window, allocator=data.pool)
+            return clops.attention_bwd(queue, q, k, v, o, lse, do, window=window, allocator=data.pool)
+
+        return call, 3.5 * flops
+
+    return setup
+
+
+# ---- PyTorch peers: each returns a callable that runs the same work on torch's GPU ----
+
+def _t_rand(torch, shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.rand(shape, device="cuda", generator=g) * 2 - 1
+
+
+def _peer_swiglu(rows, width):
+    def make(torch):
+        a, b = _t_rand(torch, (rows, width), 1), _t_rand(torch, (rows, width), 2)
+        return lambda: torch.nn.functional.silu(a) * b
+
+    return make
+
+
+def _peer_rms(n, d, backward):
+    def make(torch):
+        x, w = _t_rand(torch, (n, d), 1), _t_rand(torch, (d,), 2)
+        if not backward:
+            return lambda: torch.nn.functional.rms_norm(x, (d,), w, 1e-6)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        dy = _t_rand(torch, (n, d), 3)
+
+        def call():
+            y = torch.nn.functional.rms_norm(x, (d,), w, 1e-6)
+            return torch.autograd.grad(y, (x, w), dy)
+
+        return call
+
+    return make
+
+
+def _peer_sdpa(backward, expand, windows, window, nh, nkv, hd):
+    def make(torch):
+        q = _t_rand(torch, (windows, nh, window, hd), 1)
+        k, v = _t_rand(torch, (windows, nkv, window, hd), 2), _t_rand(torch, (windows, nkv, window, hd), 3)
+        if expand:
+            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        kw = {} if expand else {"enable_gqa": True}
+        if not backward:
+            return lambda: sdpa(q, k, v, is_causal=True, **kw)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        do = _t_rand(torch, (windows, nh, window, hd), 4)
+
+        def call():
+            return torch.autograd.grad(sdpa(q, k, v, is_causal=True, **kw), (q, k, v), do)
+
+        return call
+
+    return make
+
+
+def benches(small):
+    n, d = (TOKENS_SMALL, D_SMALL) if small else (TOKENS, D)
+    w3 = 3 * d
+    big, wide = ((n, w3), 1, 4.0), ((n, w3), 2, 2.0)
+    dc3, rows3 = ((n, w3), 3), f"[{n}, {w3}]"
+    a, b, dc = ((n, d), 1, 4.0), ((n, d), 2, 2.0), ((n, d), 3)
+    nd = f"[{n}, {d}]"
+    out = [
+        Bench("swiglu", rows3, "GB/s", _mem("swiglu", [big, wide]), (("silu(a)·b", _peer_swiglu(n, w3)),)),
+        Bench("swiglu_bwd", rows3, "GB/s", _mem("swiglu_bwd", [big, wide, dc3])),
+        Bench("swiglu_limit", rows3, "GB/s", _mem("swiglu_limit", [big, wide], limit=7.0, scale=0.5,
+                                                   row_weight=((n,), 5))),
+        Bench("swiglu_gated", rows3, "GB/s", _mem("swiglu_gated", [big, wide, ((w3,), 6)])),
+        Bench("swiglu_gated_bwd", rows3, "GB/s", _mem("swiglu_gated_bwd", [big, wide, ((w3,), 6), dc3])),
+        Bench("sigmoid_gate", nd, "GB/s", _mem("sigmoid_gate", [a, b])),
+        Bench("sigmoid_gate_bwd", nd, "GB/s", _mem("sigmoid_gate_bwd", [a, b, dc])),
+        Bench("add", nd, "GB/s", _mem("add", [a, b])),
+        Bench("rms_norm", nd, "GB/s", _mem("rms_norm", [a, ((d,), 2)]), (("F.rms_norm", _peer_rms(n, d, False)),)),
+        Bench("rms_norm_bwd", nd, "GB/s", _mem("rms_norm_bwd", [a, ((d,), 2), ((n,), 7, 0.5), dc])),
+        Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5), dc])),
+        Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
+    ]
+    shapes = ATTENTION_SMALL if small else ATTENTION
+    for name, (windows, window, nh, nkv, hd) in shapes.items():
+        tok = windows * window
+        out += [Bench(f"qk_norm_rope {name}", f"[{tok}, {nh}, {hd}]", "GB/s", _qk(False, tok, window, nh, hd)),
+                Bench(f"qk_norm_rope_bwd {name}", f"[{tok}, {nh}, {hd}]", "GB/s", _qk(True, tok, window, nh, hd))]
+    for name, geo in shapes.items():
+        shape = "{}×{} nh={} nkv={} hd={}".format(*geo)
+        for backward, label in ((False, "attention"), (True, "attention fwd+bwd")):
+            peers = ((f"SDPA fp32 gqa{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, False, *geo)),
+                     (f"SDPA fp32 expanded K/V{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, True, *geo)))
+            out.append(Bench(f"{label} {name}", shape, "TFLOP/s", _attention(backward, *geo), peers))
+    return out
+
+
+def torch_gpu():
+    """(torch module, None) when PyTorch with a CUDA/ROCm GPU is importable, else (None, why not)."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"PyTorch is not importable ({e})"
+    if not torch.cuda.is_available():
+        return None, f"PyTorch {torch.__version__} sees no GPU"
+    return torch, None
+
+
+def time_torch(torch, fn):
+    """Median ms of ``fn()`` on torch's current stream, CUDA events around each call."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _figure(unit, work, ms):
+    return work / (ms * 1e6) if unit == "GB/s" else work / (ms * 1e9)
+
+
+def _why(e):
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def run_bench(queue, bench, data, torch, limits, out):
+    """Time one bench (and its peers); returns its JSON record."""
+    rec = {"shape": bench.shape, "unit": bench.unit}
+    try:
+        fn, work = bench.setup(queue, data)
+        ms, times = measure(queue, fn, warmup=WARMUP, runs=RUNS)
+    except AttributeError as e:
+        rec.update(status="not available", reason=f"clops has no such op yet ({e})")
+    except (ValueError, RuntimeError, cl.Error) as e:
+        rec.update(status="failed", reason=_why(e))
+    else:
+        fig = _figure(bench.unit, work, ms)
+        limit = limits["copy_GBps"] if bench.unit == "GB/s" else limits["fp32_peak_TFLOPs"]
+        rec.update(status="ok", ms=ms, times_ms=times, work=work, figure=fig,
+                   fraction=None if limit is None else fig / limit)
+    if torch is not None and bench.peers:
+        rec["peers"] = {}
+        for label, make in bench.peers:
+            try:
+                pms = time_torch(torch, make(torch))
+            except Exception as e:  # any PyTorch failure (unsupported kernel, out of memory) is reported, not fatal
+                rec["peers"][label] = {"status": "failed", "reason": _why(e)}
+            else:
+                peer = {"status": "ok", "ms": pms}
+                if rec["status"] == "ok":
+                    peer.update(figure=_figure(bench.unit, rec["work"], pms), ratio=pms / rec["ms"])
+                rec["peers"][label] = peer
+            torch.cuda.empty_cache()
+    _print_row(bench.name, rec, out)
+    return rec
+
+
+def _print_row(name, rec, out):
+    head = f"{name:<30} {rec['shape']:<32}"
+    if rec["status"] != "ok":
+        out(f"{head} {rec['status']}: {rec['reason']}")
+    else:
+        frac = "unknown" if rec["fraction"] is None else f"{rec['fraction']:.1%}"
+        out(f"{head} {rec['ms']:>9.4f} {rec['figure']:>9.4g} {rec['unit']:<7} {frac:>8}")
+    for label, peer in rec.get("peers", {}).items():
+        if peer["status"] != "ok":
+            out(f"    torch {label}: failed: {peer['reason']}")
+        elif "ratio" in peer:
+            out(f"    torch {label:<36} {peer['ms']:>9.4f} {peer['figure']:>9.4g} {rec['unit']:<7} "
+                f"torch/clops time {peer['ratio']:.2f}")
+        else:
+            out(f"    torch {label:<36} {peer['ms']:>9.4f} ms")
+
+
+def main(argv=None, queue=None, out=print):
+    p = argparse.ArgumentParser(prog="python -m clops bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="small shapes, so a CPU finishes in a minute or two")
+    p.add_argument("--peers", action="store_true", help="add PyTorch's figures (needs PyTorch with a GPU)")
+    p.add_argument("--json", metavar="PATH", help="write every figure, keyed by op name")
+    p.add_argument("--only", action="append", metavar="TEXT", help="only ops whose name contains TEXT (repeatable)")
+    a = p.parse_args(argv)
+    queue = queue or runtime.default_queue(profiling=True)
+    dev = queue.device
+    torch, why = torch_gpu() if a.peers else (None, None)
+    platform, name, driver = runtime.device_identity(dev)
+    out(f"clops bench on {name} ({platform}, driver {driver}){' small shapes' if a.small else ''}")
+    copy_bytes = min(dev.max_mem_alloc_size // 4, (16 if a.small else 1024) * 2**20)
+    peak, basis = fp32_peak_tflops(dev)
+    limits = {"copy_GBps": copy_bandwidth(queue, copy_bytes), "copy_bytes": copy_bytes, "fp32_peak_TFLOPs": peak,
+              "fp32_peak_basis": basis}
+    out(f"copy bandwidth (read + write, {copy_bytes // 2**20} MiB device-to-device): {limits['copy_GBps']:.1f} GB/s")
+    out(f"FP32 peak: {'unknown' if peak is None else f'{peak:.1f} TFLOP/s'}: {basis}")
+    if a.peers:
+        out(f"peers: {'PyTorch ' + torch.__version__ + ' on ' + torch.cuda.get_device_name() if torch else why}")
+    out(f"{'op':<30} {'shape':<32} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8}")
+    data = Data(queue)
+    ops = {}
+    for bench in benches(a.small):
+        if a.only and not any(t in bench.name for t in a.only):
+            continue
+        ops[bench.name] = run_bench(queue, bench, data, torch, limits, out)
+        if bench.unit == "TFLOP/s":  # attention shapes differ from one bench to the next
+            data.clear()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": {"platform": platform, "name": name, "driver": driver}, "small": a.small,
+                       "limits": limits, "peers": why if a.peers and torch is None else None, "ops": ops}, f, indent=1)
+        out(f"figures written to {a.json}")
+    return 0 if all(r["status"] == "ok" for r in ops.values()) else 1
