@@ -1,0 +1,184 @@
+"""The tuning database's search order, parameters in the program cache key, and the sweep tool
+(restrictions, wrong and rejected configurations, interruption and resume, refusals, --save)."""
+import dataclasses
+import json
+import types
+
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import program, tune, tuning
+from clops.reference import rnd
+
+
+@pytest.fixture
+def tuning_dirs(tmp_path, monkeypatch):
+    """A temporary user dir (CLOPS_TUNING_DIR) and shipped dir; no overrides before or after."""
+    monkeypatch.setenv("CLOPS_TUNING_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    (tmp_path / "shipped").mkdir()
+    monkeypatch.setattr(tuning, "_overrides", {})
+    return tmp_path
+
+
+def _write(path, entries):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"entries": entries}))
+
+
+def test_search_order(tuning_dirs):
+    dev = types.SimpleNamespace(name="NVIDIA H200", vendor="NVIDIA Corporation")
+    sc = {"hd": 64}
+    heuristic = lambda: {"from": "heuristic"}  # noqa: E731
+    assert tuning.choose(dev, "op", sc, heuristic) == {"from": "heuristic"}
+    layers = [("default", tuning.SHIPPED_DIR / "default.json"), ("vendor", tuning.SHIPPED_DIR / "nvidia.json"),
+              ("device", tuning.SHIPPED_DIR / "nvidia-h200.json"), ("user", tuning.user_dir() / "nvidia-h200.json")]
+    for source, path in layers:  # each more specific layer shadows the ones written before it
+        _write(path, {"op": {"hd=64": {"from": source}, "hd=128": {"from": source + "-128"}}})
+        assert tuning.choose(dev, "op", sc, heuristic) == {"from": source}
+        assert tuning.lookup(dev, "op", sc)[1].startswith(source)
+    tuning.override("op", sc, {"from": "override"})
+    assert tuning.lookup(dev, "op", sc) == ({"from": "override"}, "override")
+    assert tuning.choose(dev, "op", {"hd": 128}, heuristic) == {"from": "user-128"}  # other shape class untouched
+    tuning.override("op", sc, None)
+    for source, path in reversed(layers):  # removing a layer uncovers the next one down
+        assert tuning.choose(dev, "op", sc, heuristic) == {"from": source}
+        path.unlink()
+    assert tuning.choose(dev, "op", sc, heuristic) == {"from": "heuristic"}
+
+
+def test_chosen_parameters_are_in_the_cache_key(queue, tuning_dirs):
+    a = cla.to_device(queue, rnd(3000, 1))
+
+    def used():
+        with clops.profile(queue) as prof:
+            clops.add(queue, a, a).get()
+        (launch,) = prof.launches
+        return launch.params, program.stats["builds"], launch
+
+    tuning.override("elementwise", {}, {"wg": 32, "vw": 2, "ept": 3})
+    p1, builds1, l1 = used()
+    assert (p1["wg"], p1["vw"], p1["ept"]) == (32, 2, 3) and l1.local_size == (32,)
+    tuning.override("elementwise", {}, {"wg": 16, "vw": 1, "ept": 5})
+    p2, builds2, l2 = used()
+    assert (p2["wg"], p2["vw"], p2["ept"]) == (16, 1, 5) and l2.local_size == (16,)
+    assert builds2 == builds1 + 1  # new parameters, new program
+    tuning.override("elementwise", {}, {"wg": 32, "vw": 2, "ept": 3})
+    assert used()[1] == builds2  # the first parameters' program is found again, not rebuilt
+
+
+def test_configurations_and_restrictions():
+    dev = types.SimpleNamespace(max_work_group_size=256, local_mem_size=1 << 15)
+    fam = tune.FAMILIES["attention_fwd"]
+    space = {"bq": [16, 64], "rq": [3, 4], "tx": [8], "bk": [32], "vw": [4], "dc": [32], "kc": [16]}
+    kept, left_out = tune.configurations(space, fam.restrictions, dev, {"hd": 64})
+    assert [(p["bq"], p["rq"]) for p in kept] == [(16, 4), (64, 4)] and left_out == {"rq divides bq": 2}
+    kept, left_out = tune.configurations(dict(space, tx=[32], rq=[1]), fam.restrictions, dev, {"hd": 64})
+    assert kept == [] and left_out == {"work-items per group ≤ CL_DEVICE_MAX_WORK_GROUP_SIZE": 2}
+    small = types.SimpleNamespace(max_work_group_size=256, local_mem_size=1 << 12)
+    kept, left_out = tune.configurations(dict(space, rq=[4]), fam.restrictions, small, {"hd": 64})
+    assert kept == [] and left_out == {"local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE": 2}
+
+
+ATTN = ["attention_fwd", "--class", "hd=32", "--small", "--size", "windows=1", "--size", "window=40",
+        "--param", "bq=16,32", "--param", "rq=3,4", "--param", "tx=4,8", "--param", "bk=16,32",
+        "--param", "vw=4", "--param", "dc=32", "--param", "kc=16", "--no-restrictions"]
+
+
+def _planted_miscompile(monkeypatch):
+    """attention_fwd whose output is wrong whenever bk = 32 and bq = 16, as a miscompiled kernel would be."""
+    fam = tune.FAMILIES["attention_fwd"]
+
+    def prepare(queue, sc, pb):
+        case = fam.prepare(queue, sc, pb)
+
+        def call():
+            o, lse = case.call()
+            p, _ = tuning.lookup(queue.device, "attention_fwd", sc)
+            return (2 * o if (p["bk"], p["bq"]) == (32, 16) else o), lse
+
+        return dataclasses.replace(case, call=call)
+
+    monkeypatch.setitem(tune.FAMILIES, "attention_fwd", dataclasses.replace(fam, prepare=prepare))
+
+
+def test_attention_sweep_interrupted_resumed_saved(queue, tuning_dirs, tmp_path, monkeypatch, capsys):
+    _planted_miscompile(monkeypatch)
+    path = tmp_path / "sweep.json"
+    args = ATTN + ["--out", str(path)]
+    real, calls = tune.evaluate, []
+
+    def interrupted(*a, **kw):
+        calls.append(a[4])
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tune, "evaluate", interrupted)
+    assert tune.main(args, queue=queue) == 130
+    first = json.loads(path.read_text())
+    assert len(first["results"]) == 5 and "resume" in capsys.readouterr().out
+    assert first["header"]["params"] == ["bq", "rq", "tx", "bk", "vw", "dc", "kc"]
+    assert first["header"]["problem"] == {"windows": 1, "window": 40, "nh": 4, "nkv": 2}
+
+    calls.clear()
+    monkeypatch.setattr(tune, "evaluate", real)
+    assert tune.main(args + ["--save", "--plot", str(tmp_path / "sweep.png")], queue=queue) == 0
+    out = capsys.readouterr().out
+    results = json.loads(path.read_text())["results"]
+    assert len(results) == 16 and results[:5] == first["results"]  # resumed, nothing done twice
+    assert len({json.dumps(r["params"], sort_keys=True) for r in results}) == 16
+    for r in results:
+        p = r["params"]
+        if p["rq"] == 3:
+            assert r["status"] == "failed" and "rq" in r["reason"], r
+        elif (p["bk"], p["bq"]) == (32, 16):
+            assert r["status"] == "wrong" and "rel err" in r["reason"], r
+        else:
+            assert r["status"] == "ok" and r["err"] < 1e-5 and r["ms"] > 0 and len(r["times_ms"]) >= 7, r
+    assert "8 failed" in out and "2 wrong" in out and "6 correct" in out
+    assert "matplotlib" in out or (tmp_path / "sweep.png").stat().st_size > 0
+
+    best = tune.best_result(results)
+    assert tuning.lookup(queue.device, "attention_fwd", {"hd": 32}) == (best["params"], "user (" +
+                                                                        tuning.user_file(queue.device).name + ")")
+    q = cla.to_device(queue, rnd((40, 4, 32), 1))
+    k = cla.to_device(queue, rnd((40, 2, 32), 2))
+    with clops.profile(queue) as prof:
+        clops.attention(queue, q, k, k, window=40)
+    used = prof.launches[0].params
+    assert {n: used[n] for n in best["params"]} == best["params"]  # the op now runs the saved configuration
+
+
+def test_resume_refused_on_other_device_or_template(queue, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ew.json"
+    args = ["elementwise", "--small", "--size", "rows=4", "--size", "width=100", "--param", "wg=16",
+            "--param", "vw=1,2", "--param", "ept=1", "--out", str(path)]
+    assert tune.main(args, queue=queue) == 0
+    good = path.read_text()
+    data = json.loads(good)
+    data["header"]["device"]["driver"] = "another driver"
+    path.write_text(json.dumps(data))
+    assert tune.main(args, queue=queue) == 2
+    assert "another driver" in capsys.readouterr().err
+    path.write_text(good)
+    monkeypatch.setattr(tune, "template_hash", lambda templates: "0" * 64)
+    assert tune.main(args, queue=queue) == 2
+    assert "template" in capsys.readouterr().err and json.loads(path.read_text()) == json.loads(good)
+    assert tune.main(args + ["--fresh"], queue=queue) == 0
+
+
+def test_template_hash_follows_includes(tmp_path, monkeypatch):
+    (tmp_path / "a.cl.mako").write_text('<%namespace name="c" file="b.cl.mako"/>\nA')
+    (tmp_path / "b.cl.mako").write_text("B")
+    monkeypatch.setattr(tune, "KERNEL_DIR", tmp_path)
+    before = tune.template_hash(["a.cl.mako"])
+    (tmp_path / "b.cl.mako").write_text("B changed")
+    assert tune.template_hash(["a.cl.mako"]) != before
+
+
+def test_too_few_runs_refused(queue, tmp_path):
+    with pytest.raises(ValueError, match="at least 7"):
+        tune.sweep(queue, tune.FAMILIES["elementwise"], {}, {"rows": 1, "width": 8}, {"wg": [16]}, tmp_path / "x",
+                   runs=3)
