@@ -1,0 +1,125 @@
+"""RMSNorm parity (forward, dx, dw; both gain styles) at the seed's shape and edge shapes, launch-parameter
+variants through the tuning override, deterministic dw, and bad input rejected before anything runs."""
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import reference as ref
+from clops import tuning
+from clops.reference import rel_err, rnd
+
+
+def _dev(queue, *arrays):
+    return [cla.to_device(queue, a) for a in arrays]
+
+
+def _parity(queue, x, w, dy, gemma, eps=1e-6):
+    X, W, DY = _dev(queue, x, w, dy)
+    y, inv = clops.rms_norm(queue, X, W, eps=eps, gemma=gemma)
+    wy, winv = ref.rms_norm(x, w, eps=eps, gemma=gemma)
+    assert rel_err(y.get(), wy) <= 1e-6
+    assert rel_err(inv.get(), winv) <= 1e-6
+    dx = clops.rms_norm_bwd(queue, X, W, inv, DY, eps=eps, gemma=gemma)
+    assert rel_err(dx.get(), ref.rms_norm_bwd(x, w, winv, dy, gemma=gemma)) <= 1e-5
+    dw = clops.rms_norm_dw(queue, X, inv, DY)
+    assert rel_err(dw.get(), ref.rms_norm_dw(x, winv, dy)) <= 1e-5
+    return y.get(), inv.get()
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("n,d", [(37, 5120), (7, 1), (5, 3), (3, 4097), (1, 5120), (1, 1), (65, 8)])
+def test_matches_reference(queue, n, d, gemma):
+    _parity(queue, rnd((n, d), 1, 3.0), rnd(d, 2, 0.5), rnd((n, d), 3, 1.0), gemma)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rows_of_zeros_and_large_values(queue, gemma):
+    n, d = 9, 300
+    x = rnd((n, d), 4, 1e4)
+    x[[0, 4, 8]] = 0.0
+    y, inv = _parity(queue, x, rnd(d, 5, 0.5), rnd((n, d), 6, 1.0), gemma)
+    assert np.all(y[[0, 4, 8]] == 0.0)
+    np.testing.assert_allclose(inv[[0, 4, 8]], 1.0 / np.sqrt(1e-6), rtol=1e-6)
+
+
+def test_dw_adds_into_given_and_is_deterministic(queue):
+    n, d = 300, 1000
+    x, dy = rnd((n, d), 7, 2.0), rnd((n, d), 8, 1.0)
+    _, inv = ref.rms_norm(x, rnd(d, 9, 1.0))
+    inv = inv.astype(np.float32)
+    X, INV, DY = _dev(queue, x, inv, dy)
+    first = clops.rms_norm_dw(queue, X, INV, DY).get()
+    for _ in range(3):
+        assert clops.rms_norm_dw(queue, X, INV, DY).get().tobytes() == first.tobytes()
+    base = rnd(d, 10, 5.0)
+    (DW,) = _dev(queue, base)
+    got = clops.rms_norm_dw(queue, X, INV, DY, dw=DW)
+    assert got is DW
+    assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv, dy)) <= 1e-5
+
+
+@pytest.fixture
+def override():
+    """Set tuning overrides for the test; all removed afterwards."""
+    set_ = []
+
+    def put(op, d, params):
+        tuning.override(op, {"d": d}, params)
+        set_.append((op, d))
+
+    yield put
+    for op, d in set_:
+        tuning.override(op, {"d": d}, None)
+
+
+@pytest.mark.parametrize("d,rows,dw", [
+    (4097, dict(wg=32, vw=1, rpg=1), dict(wg=32, vw=1, rb=7)),      # 129 vectors per work-item: read twice
+    (5120, dict(wg=64, vw=8, rpg=2), dict(wg=16, vw=8, rb=1)),
+    (6, dict(wg=64, vw=4, rpg=16), dict(wg=64, vw=16, rb=300)),      # vw capped to 2 (divides 6)
+    (129, dict(wg=24, vw=2, rpg=3), dict(wg=3, vw=2, rb=5)),         # groups not a power of two
+])
+def test_launch_parameters(queue, override, d, rows, dw):
+    override("rms_norm", d, rows)
+    override("rms_norm_dw", d, dw)
+    _parity(queue, rnd((37, d), 11, 3.0), rnd(d, 12, 0.5), rnd((37, d), 13, 1.0), True)
+
+
+def test_parameters_the_device_cannot_hold(queue, override):
+    override("rms_norm", 64, dict(wg=2 * queue.device.max_work_group_size, vw=4, rpg=1))
+    X, W = _dev(queue, rnd((4, 64), 1), rnd(64, 2))
+    with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
+        clops.rms_norm(queue, X, W)
+    override("rms_norm", 64, dict(wg=64, vw=4, rpg=3))
+    with pytest.raises(ValueError, match="rpg must divide wg"):
+        clops.rms_norm(queue, X, W)
+
+
+def test_bad_input_is_rejected_before_anything_runs(queue):
+    n, d = 5, 12
+    X, W, INV, DY = _dev(queue, rnd((n, d), 1), rnd(d, 2), rnd(n, 3), rnd((n, d), 4))
+    sentinel = np.full(d, 7.0, np.float32)
+    DW, OUT, DX = _dev(queue, sentinel, np.full((n, d), 7.0, np.float32), np.full((n, d), 7.0, np.float32))
+    cases = [
+        (ValueError, "dw", lambda: clops.rms_norm_dw(queue, X, INV, DY, dw=cla.zeros(queue, d + 1, np.float32))),
+        (ValueError, "dy", lambda: clops.rms_norm_dw(queue, X, INV, _dev(queue, rnd((n, d + 1), 5))[0], dw=DW)),
+        (ValueError, "inv", lambda: clops.rms_norm_dw(queue, X, _dev(queue, rnd(n + 1, 5))[0], DY, dw=DW)),
+        (ValueError, "w", lambda: clops.rms_norm(queue, X, _dev(queue, rnd(d - 1, 5))[0], out=OUT)),
+        (ValueError, "x", lambda: clops.rms_norm(queue, _dev(queue, rnd(n * d, 5))[0], W)),
+        (TypeError, "x", lambda: clops.rms_norm(queue, cla.to_device(queue, np.zeros((n, d))), W, out=OUT)),
+        (TypeError, "w", lambda: clops.rms_norm_bwd(queue, X, np.zeros(d, np.float32), INV, DY, dx=DX)),
+        (ValueError, "eps", lambda: clops.rms_norm(queue, X, W, eps=float("nan"), out=OUT)),
+        (ValueError, "dx", lambda: clops.rms_norm_bwd(queue, X, W, INV, DY, dx=DW)),
+        (ValueError, "out", lambda: clops.rms_norm(queue, X, W, out=DW)),
+    ]
+    for exc, name, call in cases:
+        with pytest.raises(exc, match=name):
+            call()
+    ctx2 = cl.Context([queue.device])  # held: Intel's runtime drops a context only its queue references
+    other = cl.CommandQueue(ctx2)
+    (X2,) = _dev(other, rnd((n, d), 1))
+    with pytest.raises(ValueError, match="x: array belongs to another context"):
+        clops.rms_norm(queue, X2, W, out=OUT)
+    assert DW.get().tobytes() == sentinel.tobytes()
+    assert np.all(OUT.get() == 7.0) and np.all(DX.get() == 7.0)

@@ -1,0 +1,175 @@
+"""Per-head q/k RMSNorm + partial RoPE parity (y, inv, dx, dw; both gain styles) at the seed's shape, head dims
+4…512, half from 0 to hd/2, both x layouts, a window shorter than the table; launch-parameter variants;
+deterministic dw; bad input rejected before anything runs."""
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import reference as ref
+from clops import tuning
+from clops.reference import rel_err, rnd
+
+
+def _dev(queue, *arrays):
+    return [cla.to_device(queue, a) for a in arrays]
+
+
+def _parity(queue, x, w, table, dy, gemma, window=None, flat=False):
+    """Run forward and backward on the device; compare with the reference (which takes the window from the
+    table's length). ``flat``: pass x and dy as [n, heads·hd]."""
+    n, heads, hd = x.shape
+    shape = (n, heads * hd) if flat else x.shape
+    X, W, DY = _dev(queue, x.reshape(shape), w, dy.reshape(shape))
+    rope = None if table is None else cla.to_device(queue, table)
+    used = ref.rope_table(1, 0) if table is None else table[:window] if window else table
+    y, inv = clops.qk_norm_rope(queue, X, W, rope, gemma=gemma, window=window)
+    wy, winv = ref.qk_norm_rope(x, w, used, gemma=gemma)
+    assert y.shape == X.shape and inv.shape == (n, heads)
+    assert rel_err(y.get().reshape(x.shape), wy) <= 1e-6
+    assert rel_err(inv.get(), winv) <= 1e-6
+    dx, dw = clops.qk_norm_rope_bwd(queue, X, W, inv, rope, DY, gemma=gemma, window=window)
+    wdx, wdw = ref.qk_norm_rope_bwd(x, w, winv, used, dy, gemma=gemma)
+    assert rel_err(dx.get().reshape(x.shape), wdx) <= 1e-5
+    assert rel_err(dw.get(), wdw) <= 1e-5
+    return y.get().reshape(x.shape), inv.get()
+
+
+def _data(n, heads, hd, seed=7, scale=2.0):
+    return rnd((n, heads, hd), seed, scale), rnd(hd, seed + 1, 0.3), rnd((n, heads, hd), seed + 2, 1.0)
+
+
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("window,windows,heads,hd,half", [
+    (19, 2, 3, 256, 32),   # the seed's test
+    (8, 2, 4, 64, 0),
+    (8, 2, 4, 64, 32),
+    (5, 3, 2, 128, 64),
+    (5, 3, 2, 128, 17),
+    (7, 1, 2, 4, 1),
+    (3, 2, 1, 512, 100),
+    (4, 2, 3, 12, 6),
+])
+def test_matches_reference(queue, window, windows, heads, hd, half, gemma):
+    x, w, dy = _data(window * windows, heads, hd)
+    _parity(queue, x, w, ref.rope_table(window, half) if half else None, dy, gemma)
+
+
+def test_flat_layout_short_window_and_partial_window(queue):
+    x, w, dy = _data(11, 3, 64)
+    table = ref.rope_table(9, 20)
+    _parity(queue, x, w, table, dy, True, window=4, flat=True)   # 11 rows: the last window is partial
+    x, w, dy = _data(1, 2, 40)
+    _parity(queue, x, w, table, dy, True)
+
+
+def test_empty_table_means_no_rotation(queue):
+    x, w, _ = _data(6, 2, 16)
+    X, W = _dev(queue, x, w)
+    empty = cla.to_device(queue, clops.rope_table(6, 0))
+    y0, inv0 = clops.qk_norm_rope(queue, X, W, empty)
+    y1, inv1 = clops.qk_norm_rope(queue, X, W, None)
+    assert y0.get().tobytes() == y1.get().tobytes()
+    assert rel_err(y0.get(), ref.qk_norm_rope(x, w, clops.rope_table(6, 0))[0]) <= 1e-6
+
+
+@pytest.mark.parametrize("gemma", [True, False])
+def test_rows_of_zeros_and_large_values(queue, gemma):
+    x, w, dy = _data(10, 3, 128, scale=1e4)
+    x[[0, 7]] = 0.0
+    x[3, 1] = 0.0
+    y, inv = _parity(queue, x, w, ref.rope_table(5, 48), dy, gemma)
+    assert np.all(y[[0, 7]] == 0.0) and np.all(y[3, 1] == 0.0)
+    np.testing.assert_allclose(inv[[0, 7]], 1.0 / np.sqrt(1e-6), rtol=1e-6)
+
+
+def test_dw_adds_into_given_and_is_deterministic(queue):
+    x, w, dy = _data(40, 4, 128)
+    table = ref.rope_table(10, 32)
+    X, W, DY, R = _dev(queue, x, w, dy, table)
+    _, inv = clops.qk_norm_rope(queue, X, W, R)
+    first = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY)[1].get()
+    for _ in range(3):
+        assert clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY)[1].get().tobytes() == first.tobytes()
+    base = rnd(128, 3, 5.0)
+    (DW,) = _dev(queue, base)
+    _, got = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, dw=DW)
+    assert got is DW
+    want = ref.qk_norm_rope_bwd(x, w, inv.get(), table, dy)[1]
+    assert rel_err(DW.get(), base + want) <= 1e-5
+
+
+@pytest.fixture
+def override():
+    set_ = []
+
+    def put(hd, params):
+        tuning.override("qk_norm_rope", {"hd": hd}, params)
+        set_.append(hd)
+
+    yield put
+    for hd in set_:
+        tuning.override("qk_norm_rope", {"hd": hd}, None)
+
+
+@pytest.mark.parametrize("hd,half,params", [
+    (256, 32, dict(wg=64, vw=4, upg=4, rb=4)),      # 16 work-items per unit: 4 vectors each
+    (256, 100, dict(wg=96, vw=2, upg=3, rb=9)),     # groups not a power of two; 43 vectors over 32
+    (64, 13, dict(wg=64, vw=16, upg=1, rb=5)),      # vw capped to 16 (divides 64)
+    (12, 6, dict(wg=16, vw=8, upg=4, rb=12)),       # vw capped to 4 (divides 12)
+    (512, 256, dict(wg=8, vw=1, upg=1, rb=3)),
+])
+def test_launch_parameters(queue, override, hd, half, params):
+    override(hd, params)
+    x, w, dy = _data(14, 3, hd)
+    _parity(queue, x, w, ref.rope_table(7, half), dy, True)
+
+
+def test_parameters_the_device_cannot_hold(queue, override):
+    dev = queue.device
+    X, W = _dev(queue, rnd((2, 1, 512), 1), rnd(512, 2))
+    upg = 1 << (dev.local_mem_size // (4 * 512)).bit_length()  # units whose rows overflow local memory
+    override(512, dict(wg=upg, vw=4, upg=upg, rb=upg))
+    with pytest.raises(clops.LimitError, match="local memory"):
+        clops.qk_norm_rope(queue, X, W, None)
+    override(512, dict(wg=2 * dev.max_work_group_size, vw=4, upg=1, rb=1))
+    with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
+        clops.qk_norm_rope(queue, X, W, None)
+    override(512, dict(wg=64, vw=4, upg=2, rb=3))
+    with pytest.raises(ValueError, match="upg must divide"):
+        clops.qk_norm_rope(queue, X, W, None)
+
+
+def test_bad_input_is_rejected_before_anything_runs(queue):
+    n, heads, hd = 6, 2, 16
+    x, w, dy = _data(n, heads, hd)
+    X, W, DY, R = _dev(queue, x, w, dy, ref.rope_table(3, 4))
+    INV = cla.to_device(queue, np.ones((n, heads), np.float32))
+    DW, OUT, DX = _dev(queue, np.full(hd, 7.0, np.float32), np.full(x.shape, 7.0, np.float32),
+                       np.full(x.shape, 7.0, np.float32))
+    bad_rows = _dev(queue, rnd((n, heads, 6), 1), rnd(6, 1), rnd((n, 2, 520), 1), rnd(520, 1),
+                    rnd((n, 30), 1), rnd((n, heads, hd), 1).astype(np.float64))
+    cases = [
+        (ValueError, "dw", lambda: clops.qk_norm_rope_bwd(queue, X, W, INV, R, DY, dw=cla.zeros(queue, hd + 1, np.float32), dx=DX)),
+        (ValueError, "too short for window 4", lambda: clops.qk_norm_rope(queue, X, W, R, window=4, out=OUT)),
+        (ValueError, "rope: half 9 exceeds", lambda: clops.qk_norm_rope(queue, X, W, _dev(queue, ref.rope_table(3, 9))[0], out=OUT)),
+        (ValueError, "rope", lambda: clops.qk_norm_rope(queue, X, W, _dev(queue, rnd((3, 4, 3), 1))[0], out=OUT)),
+        (TypeError, "rope", lambda: clops.qk_norm_rope(queue, X, W, cla.to_device(queue, np.zeros((3, 0, 2))), out=OUT)),
+        (ValueError, "unsupported head dim 6", lambda: clops.qk_norm_rope(queue, bad_rows[0], bad_rows[1], None)),
+        (ValueError, "unsupported head dim 520", lambda: clops.qk_norm_rope(queue, bad_rows[2], bad_rows[3], None)),
+        (ValueError, "w: head dim 16 does not divide", lambda: clops.qk_norm_rope(queue, bad_rows[4], W, None)),
+        (ValueError, "w: expected shape", lambda: clops.qk_norm_rope(queue, X, bad_rows[1], None, out=OUT)),
+        (TypeError, "x: dtype", lambda: clops.qk_norm_rope(queue, bad_rows[5], W, R, out=OUT)),
+        (ValueError, "inv", lambda: clops.qk_norm_rope_bwd(queue, X, W, DW, R, DY, dx=DX, dw=DW)),
+        (ValueError, "dy", lambda: clops.qk_norm_rope_bwd(queue, X, W, INV, R, bad_rows[4], dx=DX, dw=DW)),
+        (ValueError, "window", lambda: clops.qk_norm_rope(queue, X, W, R, window=0, out=OUT)),
+    ]
+    for exc, msg, call in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+    ctx2 = cl.Context([queue.device])  # held: Intel's runtime drops a context only its queue references
+    (R2,) = _dev(cl.CommandQueue(ctx2), ref.rope_table(3, 4))
+    with pytest.raises(ValueError, match="rope: array belongs to another context"):
+        clops.qk_norm_rope_bwd(queue, X, W, INV, R2, DY, dx=DX, dw=DW)
+    assert np.all(DW.get() == 7.0) and np.all(OUT.get() == 7.0) and np.all(DX.get() == 7.0)
