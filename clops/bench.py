@@ -280,7 +280,7 @@ def benches(small):
                 Bench(f"qk_norm_rope_bwd {name}", f"[{tok}, {nh}, {hd}]", "GB/s", _qk(True, tok, window, nh, hd))]
     for name, geo in shapes.items():
         shape = "{}×{} nh={} nkv={} hd={}".format(*geo)
-        for backward, label in ((False, "attention"), (True, "attention fwd+bwd")):
+        for backward, label in ((False, "attention"), (True, "attention+attention_bwd")):
             peers = ((f"SDPA fp32 gqa{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, False, *geo)),
                      (f"SDPA fp32 expanded K/V{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, True, *geo)))
             out.append(Bench(f"{label} {name}", shape, "TFLOP/s", _attention(backward, *geo), peers))

@@ -1,0 +1,84 @@
+"""`python -m clops bench` (small shapes, JSON), its device limits, and the tune CLI's listing and plot."""
+import json
+import sys
+import types
+
+import pyopencl as cl
+import pytest
+
+import clops
+from clops import bench, tune
+
+HELPERS = {"BuildError", "LimitError", "default_context", "default_queue", "profile", "rope_table"}
+
+
+def test_every_public_op_is_benched():
+    names = {op for b in bench.benches(small=True) for op in b.name.split()[0].split("+")}
+    ops = set(clops.__all__) - HELPERS
+    assert ops <= names, f"ops without a bench: {sorted(ops - names)}"
+    assert {"attention", "attention_bwd", "qk_norm_rope_bwd"} <= names  # also those not exported yet
+
+
+def test_bench_small_json(queue, tmp_path):
+    path = tmp_path / "bench.json"
+    lines = []
+    only = ["swiglu_bwd", "rms_norm_dw", "qk_norm_rope small", "attention small-hd64"]
+    rc = bench.main(["--small", "--json", str(path), "--peers"] + sum((["--only", o] for o in only), []),
+                    queue=queue, out=lines.append)
+    data = json.loads(path.read_text())
+    assert data["limits"]["copy_GBps"] > 0 and data["small"] is True
+    names = {n for n in data["ops"] if any(o in n for o in only)}
+    assert names == set(data["ops"]) and "swiglu_bwd" in names and "attention small-hd64" in names
+    for name, rec in data["ops"].items():
+        if rec["status"] == "not available":  # only an op that does not exist yet
+            assert not hasattr(clops, rec["reason"].split("attribute ")[-1].strip("')")), rec
+            continue
+        assert rec["status"] == "ok" and rec["ms"] > 0 and rec["figure"] > 0 and len(rec["times_ms"]) >= 7, rec
+    assert data["ops"]["swiglu_bwd"]["work"] == 5 * 4 * 256 * 3 * 512  # a, b, dc read; da, db written
+    text = "\n".join(lines)
+    assert "copy bandwidth" in text and "swiglu_bwd" in text and "GB/s" in text and "TFLOP/s" in text
+    assert "peers:" in text  # PyTorch's state is said, whether or not it is there
+    assert rc == (0 if all(r["status"] == "ok" for r in data["ops"].values()) else 1)
+
+
+def _dev(**kw):
+    base = dict(type=cl.device_type.GPU, vendor="NVIDIA Corporation", max_compute_units=132,
+                max_clock_frequency=1980, compute_capability_major_nv=9, compute_capability_minor_nv=0)
+    return types.SimpleNamespace(**dict(base, **kw))
+
+
+def test_fp32_peak_table():
+    peak, basis = bench.fp32_peak_tflops(_dev())
+    assert abs(peak - 132 * 128 * 2 * 1.98e9 / 1e12) < 1e-9 and "128 lanes" in basis
+    assert bench.fp32_lanes(_dev(compute_capability_major_nv=8, compute_capability_minor_nv=0))[0] == 64
+    assert bench.fp32_lanes(_dev(vendor="Advanced Micro Devices, Inc."))[0] == 64
+    for dev in (_dev(type=cl.device_type.CPU), _dev(vendor="Some Vendor")):
+        peak, basis = bench.fp32_peak_tflops(dev)
+        assert peak is None and "unknown" in basis
+
+
+def test_tune_list(capsys):
+    assert tune.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in tune.FAMILIES:
+        assert name in out
+
+
+def test_plot_without_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    head = {"op": "elementwise", "shape_class": {}, "device": {"name": "x"}, "params": ["wg"]}
+    ok, message = tune.plot(head, [{"params": {"wg": 1}, "status": "ok", "ms": 1.0}], "never.png")
+    assert not ok and "matplotlib is not installed" in message
+
+
+def test_unknown_op_and_parameter(queue, capsys):
+    assert tune.main(["nonsense"], queue=queue) == 2
+    assert "unknown op" in capsys.readouterr().err
+    assert tune.main(["elementwise", "--param", "tile=4"], queue=queue) == 2
+    assert "has no parameter 'tile'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--class", "hd"], ["--size", "rows"]])
+def test_bad_pairs(argv):
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        tune.main(["elementwise"] + argv)
