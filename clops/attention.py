@@ -140,3 +140,145 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
     out.add_event(evt)
     lse.add_event(evt)
     return out, lse
+
+
+# ---- backward ----
+#
+# attention_bwd enqueues three kernels of ``attention_bwd.cl.mako``: D = Σ dO·O per
+# (row, head) into a scratch array, dK/dV (one work-group per key block, window
+# and kv head, looping over the group's query heads and the query blocks from the
+# diagonal on) and dQ (one work-group per query block, window and head). No
+# atomics: the result is the same bit for bit on every run.
+#
+# Op names in the tuning database: "attention_bwd_dkv" and "attention_bwd_dq",
+# shape class {"hd": hd}. Both take the same parameter names:
+#   wg  work-items per group; must equal (bq/sq)·(bk/sk) and (rows/tr)·(hd/td),
+#       rows = bk for dkv (key rows accumulated), bq for dq (query rows).
+#   bq  query rows per block; bk keys per block.
+#   sq, sk  score tile of a work-item (sq query rows × sk keys of S and dP);
+#       sq divides bq, sk divides bk.
+#   dc  head-dim columns of Q, dO, K, V staged per step of S = Q·Kᵀ; divides hd,
+#       a multiple of vw.
+#   jc  rows staged (all hd columns) per step of the accumulation: query rows of
+#       Q and dO for dkv (divides bq), key rows of K for dq (divides bk).
+#   tr  accumulator rows per work-item: 1, 2, 4, 8 or 16, dividing rows.
+#   td  accumulator head-dim columns per work-item; divides hd, a multiple of vw.
+#   vw  vector width of loads and accumulators: 1, 2 or 4.
+# Local memory: 4·(max((2·bq + 2·bk)·(dc/vw + 1)·vw, m·jc·hd) + m·bq·bk) bytes,
+# m = 2 for dkv, 1 for dq. A set that breaks a rule or does not fit the device
+# raises LimitError (a ValueError) naming the rule.
+
+BWD_TEMPLATE = "attention_bwd.cl.mako"
+BWD_NAMES = ("wg", "bq", "bk", "sq", "sk", "dc", "jc", "tr", "td", "vw")
+
+
+def _bwd_mats(kind):
+    return 2 if kind == "dkv" else 1
+
+
+def _bwd_local_bytes(kind, hd, p):
+    m = _bwd_mats(kind)
+    stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"], m * p["jc"] * hd)
+    return 4 * (stage + m * p["bq"] * p["bk"])
+
+
+def _bwd_rules(kind, hd, p):
+    rows, rname = (p["bk"], "bk") if kind == "dkv" else (p["bq"], "bq")
+    chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
+    return (
+        (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
+        (hd % p["dc"] == 0 and p["dc"] % p["vw"] == 0, "dc must divide hd and be a multiple of vw"),
+        (hd % p["td"] == 0 and p["td"] % p["vw"] == 0, "td must divide hd and be a multiple of vw"),
+        (p["tr"] in (1, 2, 4, 8, 16) and rows % p["tr"] == 0, f"tr must be 1, 2, 4, 8 or 16 and divide {rname}"),
+        (p["bq"] % p["sq"] == 0 and p["bk"] % p["sk"] == 0, "sq must divide bq and sk divide bk"),
+        (chunked % p["jc"] == 0, f"jc must divide {cname}"),
+        ((p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"], "wg must equal (bq/sq)·(bk/sk)"),
+        ((rows // p["tr"]) * (hd // p["td"]) == p["wg"], f"wg must equal ({rname}/tr)·(hd/td)"),
+    )
+
+
+def bwd_heuristic(dev, kind, hd):
+    """Backward tiles for ``kind`` ("dkv" or "dq"): the largest accumulator tile
+    (at most 64 floats per work-item when possible) on up to 256 work-items."""
+    # vw and the columns per work-item: as many column groups as hd allows, td ≤ 32 where possible
+    for vw in (4, 2, 1):
+        ncol = 1
+        while (hd // vw) % (2 * ncol) == 0 and hd // (2 * ncol) >= 8:
+            ncol *= 2
+        if hd // ncol <= 32:
+            break
+    td, m = hd // ncol, _bwd_mats(kind)
+    max_wg = min(256, dev.max_work_group_size)
+    tiles = [(rows, tr) for rows in (64, 32, 16) for tr in (16, 8, 4, 2, 1)
+             if rows % tr == 0 and (rows // tr) * ncol <= max_wg]
+    fits = [t for t in tiles if m * t[1] * td <= 64] or [min(tiles, key=lambda t: t[1])]
+    rows, tr = max(fits, key=lambda t: ((t[0] // t[1]) * ncol, t[1]))
+    wg = (rows // tr) * ncol
+    for other in (64, 32, 16, 8, 4, 2, 1):
+        if (rows * other) % wg == 0 and rows * other // wg <= 16:
+            break
+    e1 = rows * other // wg
+    bq, bk = (other, rows) if kind == "dkv" else (rows, other)
+    sq = next(s for s in (4, 2, 1) if e1 % s == 0 and bq % s == 0 and bk % (e1 // s) == 0)
+    dc = next(d for d in (16, 8, 32, 4, 2, 1) if hd % d == 0 and d % vw == 0)
+    p = {"wg": wg, "bq": bq, "bk": bk, "sq": sq, "sk": e1 // sq, "dc": dc, "jc": math.gcd(8, other),
+         "tr": tr, "td": td, "vw": vw}
+    while _bwd_local_bytes(kind, hd, p) > dev.local_mem_size and p["dc"] > vw:
+        p["dc"] //= 2
+    return p
+
+
+def bwd_params(dev, kind, hd):
+    """Checked parameters of the ``kind`` pass for ``dev`` and ``hd`` (database, else heuristic)."""
+    op = "attention_bwd_" + kind
+    p = tuning.choose(dev, op, {"hd": hd}, lambda: bwd_heuristic(dev, kind, hd))
+    if sorted(p) != sorted(BWD_NAMES) or not all(isinstance(p[x], int) and p[x] > 0 for x in BWD_NAMES):
+        raise LimitError(f"{op} hd={hd}: parameters must be positive ints named {BWD_NAMES}, got {p}")
+    for ok, rule in _bwd_rules(kind, hd, p):
+        if not ok:
+            raise LimitError(f"{op} hd={hd} {p}: {rule}")
+    if p["wg"] > dev.max_work_group_size:
+        raise LimitError(f"{op} hd={hd} {p}: {p['wg']} work-items exceed the device's "
+                         f"CL_DEVICE_MAX_WORK_GROUP_SIZE ({dev.max_work_group_size})")
+    need = _bwd_local_bytes(kind, hd, p)
+    if need > dev.local_mem_size:
+        raise LimitError(f"{op} hd={hd} {p}: needs {need} bytes of local memory, "
+                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
+    return p
+
+
+def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, dq=None, dk=None, dv=None, wait_for=None,
+                  allocator=None):
+    """``(dq, dk, dv)`` of :func:`attention` given its ``o``, ``lse`` and the output gradient ``do``.
+
+    ``dk`` and ``dv`` are summed over the query heads that share each kv head.
+    """
+    n, nh, nkv, hd, windows = _check_geometry(queue, q, k, v, window)
+    scale = _scale(scale, hd)
+    check_array("o", o, queue, shape=q.shape)
+    check_array("lse", lse, queue, shape=(n, nh))
+    check_array("do", do, queue, shape=q.shape)
+    dev = queue.device
+    pk, pq = bwd_params(dev, "dkv", hd), bwd_params(dev, "dq", hd)
+    idx = index_type(n * nh * hd)
+    kv_knl = kernels(queue, BWD_TEMPLATE, dict(pk, kind="dkv", hd=hd, idx=idx), work_group_size=pk["wg"])
+    q_knl = kernels(queue, BWD_TEMPLATE, dict(pq, kind="dq", hd=hd, idx=idx), work_group_size=pq["wg"])["attn_bwd_dq"]
+    dq = output("dq", dq, queue, q.shape, allocator)
+    dk = output("dk", dk, queue, k.shape, allocator)
+    dv = output("dv", dv, queue, k.shape, allocator)
+    dsum = output("dsum", None, queue, (n, nh), allocator)  # scratch: D = Σ dO·O
+    rows = n * nh
+    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // pk["wg"]),),
+                                    [o.data, do.data, dsum.data, np.uint32(rows)],
+                                    wait_for=events(wait_for, o, do, dsum))
+    geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows), np.float32(scale * LOG2E),
+            np.float32(scale)]
+    ins = [q.data, k.data, v.data, do.data, lse.data, dsum.data]
+    e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,), ins + [dk.data, dv.data] + geom,
+                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv))
+    e_q = q_knl(queue, (-(-window // pq["bq"]) * windows * nh,), ins + [dq.data] + geom,
+                wait_for=[e_sum] + events(None, q, k, v, lse, dq))
+    dk.add_event(e_kv)
+    dv.add_event(e_kv)
+    dq.add_event(e_q)
+    return dq, dk, dv

@@ -1,0 +1,274 @@
+// clops attention backward: FlashAttention-2 style gradients of causal
+// grouped-query attention inside windows. Rendered once per pass (`kind`):
+//   "dkv": attn_bwd_dsum (D = Σ dO·O per (row, head), one row per work-item)
+//        and attn_bwd_dkv;
+//   "dq":  attn_bwd_dq.
+//
+// Layout: q, o, dO, dq [n, nh, HD]; k, v, dk, dv [n, nkv, HD]; lse, D [n, nh]
+// (float32, row-major); n = windows·T; query head h reads kv head h / rep.
+//
+// Both gradient kernels repeat two steps per (query block, key block) pair:
+//   1. S = Q·Kᵀ and dP = dO·Vᵀ (BQ × BK): Q, dO, K, V are staged DC head-dim
+//      columns at a time; work-item (tq, tk) owns rows tq + i·(BQ/SQ) and keys
+//      tk + j·(BK/SK) of both in registers. Then P = exp2(S·c − lse·log2 e)
+//      (c = scale·log2 e) and dS = P·(dP − D)·scale go to local memory.
+//   2. A register tile of TR rows × TD head-dim columns per work-item
+//      accumulates a product with those coefficients, the other operand
+//      staged JC rows (all HD columns) at a time:
+//      dkv: dV += Pᵀ·dO, dK += dSᵀ·Q over the query rows (P, dS as [q][k]);
+//      dq:  dQ += dS·K over the keys (dS stored transposed, [k][q]).
+// dkv: one group per (key block, window, kv head), key blocks in order so the
+// heaviest (first) start first; it loops over the rep query heads of the
+// group and the query blocks from the diagonal on, so dK/dV are written once,
+// summed over the group, without atomics. dq: one group per (query block,
+// window, head), last (heaviest) blocks first, keys from 0 to the diagonal.
+// Masks apply only to blocks crossing the diagonal or the window's end; rows
+// past the window are staged as zeros. Every barrier is in uniform control
+// flow; every sum has a fixed order, so results are bitwise reproducible.
+//
+// Parameters: WG work-items; BQ query rows, BK keys per block; SQ × SK score
+// tile per work-item; DC head-dim chunk of step 1; JC rows staged per part of
+// step 2; TR × TD accumulator tile (TD a multiple of VW); VW vector width.
+<%!
+    import math
+%>
+<%
+    rows = bk if kind == "dkv" else bq            # accumulator rows of step 2
+    nc2 = hd // td                                 # work-items across head-dim columns in step 2
+    nr2 = rows // tr
+    w1 = math.gcd(nc2, 8)                          # step-2 columns of a 32-wide warp...
+    h1 = math.gcd(nr2, 32 // w1)                   # ...and its rows
+    nk1 = bk // sk
+    k1 = math.gcd(nk1, 8)                          # step-1 keys of a warp...
+    q1 = math.gcd(bq // sq, 32 // k1)              # ...and its query rows
+    tdv = td // vw
+    comps = [""] if vw == 1 else [".s%x" % e for e in range(vw)]
+    def co(var, i):
+        return var if tr == 1 else "%s.s%x" % (var, i)
+    nmat = 2 if kind == "dkv" else 1
+    stage = max((2 * bq + 2 * bk) * (dc // vw + 1), nmat * jc * (hd // vw))
+%>
+#define HD ${hd}
+#define HDV (HD / ${vw})             // vectors per row
+#define VW ${vw}
+#define WG ${wg}
+#define BQ ${bq}
+#define BK ${bk}
+#define SQ ${sq}
+#define SK ${sk}
+#define NQ1 (BQ / SQ)                // step-1 work-items across query rows
+#define NK1 (BK / SK)                // step-1 work-items across keys
+#define DC ${dc}
+#define DCV (DC / VW)
+#define DCP (DCV + 1)                // staged row stride (vectors), padded against bank conflicts
+#define JC ${jc}
+#define TR ${tr}
+#define TD ${td}
+#define NC2 ${nc2}                   // step-2 work-items across head-dim vectors
+#define STAGE ${stage}
+#define LOG2E 1.4426950408889634f
+typedef ${idx} idx_t;
+typedef ${vtype(vw)} vec_t;
+typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
+
+## Step 1 for query rows q0.. and keys k0..: s{i}_{j}, dp{i}_{j} in registers,
+## then P and dS written to local memory at `pidx(q, k)`; `pcoef` is skipped in dq.
+<%def name="scores(pcoef, dscoef, pidx, mask)">
+% for i in range(sq):
+%   for j in range(sk):
+        float s${i}_${j} = 0.0f, dp${i}_${j} = 0.0f;
+%   endfor
+% endfor
+        for (uint d0 = 0; d0 < HDV; d0 += DCV) {
+            for (uint e = lid; e < BQ * DCV; e += WG) {
+                const uint r = e / DCV, c = e % DCV;
+                vec_t a = (vec_t)(0.0f), b = (vec_t)(0.0f);
+                if (q0 + r < T) {
+                    const idx_t at = ((idx_t)(tok0 + q0 + r) * nh + h) * HDV + d0 + c;
+                    a = q[at];
+                    b = dO[at];
+                }
+                sq_[r * DCP + c] = a;
+                sdo[r * DCP + c] = b;
+            }
+            for (uint e = lid; e < BK * DCV; e += WG) {
+                const uint r = e / DCV, c = e % DCV;
+                vec_t a = (vec_t)(0.0f), b = (vec_t)(0.0f);
+                if (k0 + r < T) {
+                    const idx_t at = ((idx_t)(tok0 + k0 + r) * nkv + g) * HDV + d0 + c;
+                    a = k[at];
+                    b = v[at];
+                }
+                sk_[r * DCP + c] = a;
+                sv_[r * DCP + c] = b;
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint c = 0; c < DCV; ++c) {
+                // the SK key vectors stay in registers while the SQ query rows stream by
+% for j in range(sk):
+                const vec_t kb${j} = sk_[(tk + ${j * (bk // sk)}) * DCP + c], vb${j} = sv_[(tk + ${j * (bk // sk)}) * DCP + c];
+% endfor
+% for i in range(sq):
+                {
+                    const vec_t qa = sq_[(tq + ${i * (bq // sq)}) * DCP + c], qo = sdo[(tq + ${i * (bq // sq)}) * DCP + c];
+%   for j in range(sk):
+%     for e in comps:
+                    s${i}_${j} += qa${e} * kb${j}${e};
+                    dp${i}_${j} += qo${e} * vb${j}${e};
+%     endfor
+%   endfor
+                }
+% endfor
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+% for i in range(sq):
+        {
+            const uint qi = q0 + tq + ${i * (bq // sq)};
+            const idx_t row = (idx_t)(tok0 + min(qi, T - 1)) * nh + h;
+            const float l2 = lse[row] * LOG2E, dd = dsum[row];
+%   for j in range(sk):
+            {
+                const uint kj = k0 + tk + ${j * (bk // sk)};
+                float p = exp2(s${i}_${j} * c2 - l2);
+                if (${mask} && (kj > qi || qi >= T))
+                    p = 0.0f;
+%     if pcoef:
+                ((__local float *)${pcoef})[${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))}] = p;
+%     endif
+                ((__local float *)${dscoef})[${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))}] = p * (dp${i}_${j} - dd) * scale;
+            }
+%   endfor
+        }
+% endfor
+</%def>
+
+## Step 2: acc{m}_{i}_{jj} += coef_m[row j][tr·TR + i] · X_m[row j][column vector tc + jj·NC2]
+## for staged rows j0.. of `srcs` (global row index expressions of position `pos`).
+<%def name="accumulate(coefs, srcs, jlo, jhi, pos0)">
+        for (uint j0 = ${jlo}; j0 < ${jhi}; j0 += JC) {
+            for (uint e = lid; e < JC * HDV; e += WG) {
+                const uint r = e / HDV, c = e % HDV;
+                const uint pos = ${pos0} + j0 + r;
+% for m, (src, rowexpr) in enumerate(srcs):
+                vec_t x${m} = (vec_t)(0.0f);
+                if (pos < T)
+                    x${m} = ${src}[(${rowexpr}) * HDV + c];
+                sx[${m * jc} * HDV + e] = x${m};
+% endfor
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint j = 0; j < JC; ++j) {
+% for m, coef in enumerate(coefs):
+                const cvec_t c${m} = ${coef}[(j0 + j) * (CROW / TR) + tr];
+% endfor
+% for jj in range(tdv):
+%   for m in range(len(coefs)):
+                {
+                    const vec_t x = sx[(${m * jc} + j) * HDV + tc + ${jj * nc2}];
+%     for i in range(tr):
+                    acc${m}_${i}_${jj} += ${co("c%d" % m, i)} * x;
+%     endfor
+                }
+%   endfor
+% endfor
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+</%def>
+
+## Per-work-item indices shared by both gradient kernels.
+<%def name="prologue()">
+    __local vec_t stage[STAGE];
+    __local vec_t *const sq_ = stage, *const sdo = stage + BQ * DCP;
+    __local vec_t *const sk_ = stage + 2 * BQ * DCP, *const sv_ = stage + (2 * BQ + BK) * DCP;
+    __local vec_t *const sx = stage;
+    const uint lid = get_local_id(0);
+    // step 1: warps span ${k1} key groups × ${q1} query-row groups
+    const uint k_lo = lid % ${k1}, q_lo = (lid / ${k1}) % ${q1}, hi1 = lid / ${k1 * q1};
+    const uint tk = (hi1 % ${nk1 // k1}) * ${k1} + k_lo, tq = (hi1 / ${nk1 // k1}) * ${q1} + q_lo;
+    // step 2: warps span ${w1} column groups × ${h1} row groups
+    const uint c_lo = lid % ${w1}, r_lo = (lid / ${w1}) % ${h1}, hi = lid / ${w1 * h1};
+    const uint tc = (hi % ${nc2 // w1}) * ${w1} + c_lo, tr = (hi / ${nc2 // w1}) * ${h1} + r_lo;
+% for m in range(nmat):
+%   for i in range(tr):
+%     for jj in range(tdv):
+    vec_t acc${m}_${i}_${jj} = (vec_t)(0.0f);
+%     endfor
+%   endfor
+% endfor
+</%def>
+
+<%def name="store(m, dst, rowexpr, pos0)">
+% for i in range(tr):
+    if (${pos0} + tr * TR + ${i} < T) {
+        const idx_t at = (${rowexpr.format(pos="(%s + tr * TR + %d)" % (pos0, i))}) * HDV + tc;
+%   for jj in range(tdv):
+        ${dst}[at + ${jj * nc2}] = acc${m}_${i}_${jj};
+%   endfor
+    }
+% endfor
+</%def>
+
+% if kind == "dkv":
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dsum(__global const vec_t *restrict o, __global const vec_t *restrict dO,
+                   __global float *restrict dsum, const uint rows)
+{
+    const uint i = get_global_id(0);
+    if (i >= rows)
+        return;
+    vec_t acc = (vec_t)(0.0f);
+    for (uint c = 0; c < HDV; ++c)
+        acc += o[(idx_t)i * HDV + c] * dO[(idx_t)i * HDV + c];
+    dsum[i] = ${" + ".join("acc" + e for e in comps)};
+}
+
+#define CROW BK                      // row length of the P / dS tiles ([q][k])
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restrict k,
+                  __global const vec_t *restrict v, __global const vec_t *restrict dO,
+                  __global const float *restrict lse, __global const float *restrict dsum,
+                  __global vec_t *restrict dk, __global vec_t *restrict dv,
+                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale)
+{
+    __local cvec_t cp[BQ * BK / TR], cds[BQ * BK / TR];
+    ${prologue()}
+    const uint gid = get_group_id(0), per = nwin * nkv;
+    const uint k0 = (gid / per) * BK, w = (gid % per) / nkv, g = (gid % per) % nkv;
+    const uint tok0 = w * T, rep = nh / nkv;
+    for (uint h = g * rep; h < (g + 1) * rep; ++h) {
+        for (uint q0 = (k0 / BQ) * BQ; q0 < T; q0 += BQ) {
+            const bool masked = q0 < k0 + BK || q0 + BQ > T;
+            ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked")}
+            // query rows above the key block see none of its keys
+            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], "k0 > q0 ? (k0 - q0) / JC * JC : 0", "min((uint)BQ, T - q0)", "q0")}
+        }
+    }
+    ${store(0, "dv", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
+    ${store(1, "dk", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
+}
+% else:
+#define CROW BQ                      // row length of the dSᵀ tile ([k][q])
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restrict k,
+                 __global const vec_t *restrict v, __global const vec_t *restrict dO,
+                 __global const float *restrict lse, __global const float *restrict dsum,
+                 __global vec_t *restrict dq,
+                 const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale)
+{
+    __local cvec_t cds[BQ * BK / TR];
+    ${prologue()}
+    const uint gid = get_group_id(0), per = nwin * nh;
+    const uint q0 = ((T - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;
+    const uint tok0 = w * T, g = h / (nh / nkv);
+    const uint qlast = min(q0 + BQ, T) - 1;
+    for (uint k0 = 0; k0 <= qlast; k0 += BK) {
+        const bool masked = k0 + BK - 1 > q0 || q0 + BQ > T;
+        ${scores(None, "cds", lambda r, c: "%s * BQ + %s" % (c, r), "masked")}
+        // keys past the block's last query (or the window) have dS = 0
+        ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], "0", "min((uint)BK, qlast + 1 - k0)", "k0")}
+    }
+    ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}
+}
+% endif

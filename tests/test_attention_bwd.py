@@ -1,0 +1,182 @@
+"""Attention backward against the float64 reference, on every device.
+
+o and lse come from the reference forward (rounded to float32), so these tests
+exercise the backward alone.
+"""
+import numpy as np
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import reference as ref
+from clops import tuning
+from clops.attention import bwd_params
+
+TOL = 1e-5
+
+
+def _inputs(windows, window, nh, nkv, hd, scale=None, mag=1.0):
+    n = windows * window
+    q, k, v = ref.rnd((n, nh, hd), 11, mag), ref.rnd((n, nkv, hd), 12, mag), ref.rnd((n, nkv, hd), 13)
+    do = ref.rnd((n, nh, hd), 14)
+    o, lse = ref.attention(q, k, v, window=window, scale=scale)
+    return q, k, v, o.astype(np.float32), lse.astype(np.float32), do
+
+
+def _run(queue, arrays, window, **kw):
+    dev = [cla.to_device(queue, a) for a in arrays]
+    return [g.get() for g in clops.attention_bwd(queue, *dev, window=window, **kw)]
+
+
+def _check(queue, windows, window, nh, nkv, hd, scale=None, mag=1.0):
+    arrays = _inputs(windows, window, nh, nkv, hd, scale, mag)
+    got = _run(queue, arrays, window, scale=scale)
+    want = ref.attention_bwd(*arrays, window=window, scale=scale)
+    errs = [ref.rel_err(g, w) for g, w in zip(got, want)]
+    assert max(errs) <= TOL, dict(zip(("dq", "dk", "dv"), errs))
+    return got
+
+
+def test_reference_shape(queue):
+    _check(queue, 2, 37, 6, 2, 256)
+
+
+@pytest.mark.parametrize("hd", [8, 40, 64, 80, 96, 128, 256])
+def test_head_dims(queue, hd):
+    _check(queue, 2, 21, 2, 1, hd)
+
+
+@pytest.mark.parametrize("window", [15, 16, 17, 100])
+@pytest.mark.parametrize("nkv", [1, 2])
+def test_windows_and_groups(queue, window, nkv):
+    _check(queue, 2, window, 2, nkv, 32)
+
+
+@pytest.mark.parametrize("nkv", [1, 2])
+def test_window_of_one(queue, nkv):
+    # One key per window: P = 1 and dS = P·(dP − D) is rounding noise around 0, so dq and dk
+    # are checked against the size of their terms, dv (= dO summed over the group) relatively.
+    arrays = _inputs(3, 1, 2, nkv, 32)
+    dq, dk, dv = _run(queue, arrays, 1)
+    q, k, _, _, _, do = arrays
+    _, _, want_dv = ref.attention_bwd(*arrays, window=1)
+    assert ref.rel_err(dv, want_dv) <= TOL
+    assert np.linalg.norm(dq) <= TOL * np.linalg.norm(do) * np.linalg.norm(k)
+    assert np.linalg.norm(dk) <= TOL * np.linalg.norm(do) * np.linalg.norm(q)
+
+
+def test_explicit_scale(queue):
+    _check(queue, 2, 33, 4, 2, 40, scale=0.37)
+
+
+def test_large_logits_stay_finite(queue):
+    # |q·k|·scale reaches ~1e3: P is near one-hot and exp2 arguments are far from 0.
+    arrays = _inputs(2, 40, 4, 2, 64, mag=32.0)
+    logit = np.abs(arrays[4]).max()
+    assert logit > 500
+    got = _run(queue, arrays, 40)
+    assert all(np.isfinite(g).all() for g in got)
+    # float32 scores of size L carry errors of a few L·2⁻²⁴, which P = exp(S − lse) turns into
+    # relative errors: at L ~ 1e3 that is ~5e-5, beyond TOL for any float32 kernel.
+    want = ref.attention_bwd(*arrays, window=40)
+    assert max(ref.rel_err(g, w) for g, w in zip(got, want)) <= max(TOL, 4 * 2.0**-24 * logit)
+
+
+def test_given_outputs_are_written(queue):
+    arrays = _inputs(2, 9, 2, 1, 16)
+    dev = [cla.to_device(queue, a) for a in arrays]
+    outs = [cla.zeros(queue, a.shape, np.float32) for a in arrays[:3]]
+    got = clops.attention_bwd(queue, *dev, window=9, dq=outs[0], dk=outs[1], dv=outs[2])
+    assert all(g is o for g, o in zip(got, outs))
+    want = ref.attention_bwd(*arrays, window=9)
+    assert max(ref.rel_err(g.get(), w) for g, w in zip(got, want)) <= TOL
+
+
+def test_deterministic(queue):
+    arrays = _inputs(2, 45, 4, 2, 64)
+    dev = [cla.to_device(queue, a) for a in arrays]
+    first = [g.get() for g in clops.attention_bwd(queue, *dev, window=45)]
+    for _ in range(3):
+        again = [g.get() for g in clops.attention_bwd(queue, *dev, window=45)]
+        assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(first, again))
+
+
+# Tile shapes the template must honour: vector widths 1/2/4, tr 1/2/8, odd score tiles,
+# several head-dim chunks (dc < hd) and staged row chunks (jc below the block).
+VARIANTS = {
+    "dkv": [
+        {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1},
+        {"wg": 40, "bq": 8, "bk": 20, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2},
+        {"wg": 10, "bq": 20, "bk": 8, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4},
+    ],
+    "dq": [
+        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1},
+        {"wg": 40, "bq": 20, "bk": 8, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2},
+        {"wg": 10, "bq": 8, "bk": 20, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4},
+    ],
+}
+
+
+@pytest.mark.parametrize("kind, params", [(k, p) for k, ps in VARIANTS.items() for p in ps],
+                         ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
+def test_tile_variants(queue, kind, params):
+    op = "attention_bwd_" + kind
+    tuning.override(op, {"hd": 40}, params)
+    try:
+        assert bwd_params(queue.device, kind, 40) == params
+        _check(queue, 2, 37, 4, 2, 40)
+    finally:
+        tuning.override(op, {"hd": 40}, None)
+
+
+GOOD = {"wg": 64, "bq": 16, "bk": 16, "sq": 2, "sk": 2, "dc": 8, "jc": 8, "tr": 1, "td": 4, "vw": 4}
+
+
+@pytest.mark.parametrize("change, word", [
+    ({"wg": 32}, "wg must equal (bq/sq)·(bk/sk)"),
+    ({"td": 8}, "wg must equal (bk/tr)·(hd/td)"),
+    ({"vw": 3}, "vw must be 1, 2 or 4"),
+    ({"tr": 3}, "tr must be 1, 2, 4, 8 or 16"),
+    ({"jc": 5}, "jc must divide bq"),
+    ({"dc": 6}, "dc must divide hd"),
+    ({"sq": 0}, "positive ints"),
+    ({"bq": 65536, "sq": 8192}, "bytes of local memory"),
+])
+def test_impossible_params_raise(queue, change, word):
+    tuning.override("attention_bwd_dkv", {"hd": 16}, dict(GOOD, **change))
+    try:
+        with pytest.raises(clops.LimitError, match=word.replace("(", r"\(").replace(")", r"\)")):
+            bwd_params(queue.device, "dkv", 16)
+    finally:
+        tuning.override("attention_bwd_dkv", {"hd": 16}, None)
+
+
+def test_good_params_accepted(queue):
+    tuning.override("attention_bwd_dkv", {"hd": 16}, GOOD)
+    try:
+        assert bwd_params(queue.device, "dkv", 16) == GOOD
+    finally:
+        tuning.override("attention_bwd_dkv", {"hd": 16}, None)
+
+
+@pytest.mark.parametrize("name, bad, exc", [
+    ("o", np.zeros((10, 1, 8), np.float32), ValueError),
+    ("lse", np.zeros((10, 3), np.float32), ValueError),
+    ("lse", np.zeros((10, 2, 1), np.float32), ValueError),
+    ("do", np.zeros((10, 2, 16), np.float32), ValueError),
+    ("do", np.zeros((10, 2, 8), np.float64), TypeError),
+    ("o", np.zeros((10, 2, 8), np.float16), TypeError),
+])
+def test_bad_inputs_raise_before_enqueue(queue, name, bad, exc):
+    names = ("q", "k", "v", "o", "lse", "do")
+    arrays = dict(zip(names, _inputs(2, 5, 2, 1, 8)), **{name: bad})
+    dev = {k: cla.to_device(queue, a) for k, a in arrays.items()}
+    outs = {"dq": cla.to_device(queue, np.full((10, 2, 8), 7, np.float32)),
+            "dk": cla.to_device(queue, np.full((10, 1, 8), 7, np.float32)),
+            "dv": cla.to_device(queue, np.full((10, 1, 8), 7, np.float32))}
+    pending = {k: list(o.events) for k, o in outs.items()}
+    with pytest.raises(exc, match=f"^{name}:"):
+        clops.attention_bwd(queue, *(dev[k] for k in names), window=5, **outs)
+    for k, out in outs.items():
+        assert out.events == pending[k]  # nothing enqueued on the outputs
+        assert (out.get() == 7).all()
