@@ -26,6 +26,7 @@
 <%page args="hd, half, wg, vw, upg, ch, rb, idx"/>
 <%namespace name="common" file="common.cl.mako"/>
 <% tpu = wg // upg %>
+${common.guards()}\
 #define HD ${hd}
 #define HALF ${half}
 #define HV (HD / ${vw})
@@ -72,7 +73,6 @@ def lanes_sum(vw, v):
     {
         __local const float *b = (__local const float *)seg_buf;
         const uint pos = (uint)((unit / heads) % window);
-        __global const float2 *cs = rope + (idx_t)pos * HALF;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
             if (j < HV && j * VW < 2 * HALF) {
@@ -80,10 +80,10 @@ def lanes_sum(vw, v):
                 {
                     const uint e = j * VW + ${l};
                     if (e < HALF) {
-                        const float2 r = cs[e];
+                        const float2 r = rope[${at("rope", "pos * HALF + e")}];
                         ${lane(vw, v + "[k]", l)} = b[e] * r.x ${"+" if inverse else "-"} b[e + HALF] * r.y;
                     } else if (e < 2 * HALF) {
-                        const float2 r = cs[e - HALF];
+                        const float2 r = rope[${at("rope", "pos * HALF + e - HALF")}];
                         ${lane(vw, v + "[k]", l)} = b[e] * r.x ${"-" if inverse else "+"} b[e - HALF] * r.y;
                     }
                 }
@@ -96,7 +96,8 @@ def lanes_sum(vw, v):
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out, __global const vec *restrict x,
                       __global const vec *restrict w, ${rope_arg()}const idx_t units, const uint heads,
-                      const uint window, const float eps, const float w_offset)
+                      const uint window, const float eps,
+                      const float w_offset${checked_args("y", "inv_out", "x", "w", *(["rope"] if half else []))})
 {
     ${setup()}
     const idx_t unit = (idx_t)get_group_id(0) * UPG + seg;
@@ -106,7 +107,7 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     float ss = 0.0f;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
-        v[k] = (ok && j < HV) ? x[base + j] : (vec)(0.0f);
+        v[k] = (ok && j < HV) ? x[${at("x", "base + j")}] : (vec)(0.0f);
         const vec sq = v[k] * v[k];
         ss += ${lanes_sum(vw, "sq")};
     }
@@ -116,7 +117,7 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
         if (j < HV)
-            v[k] = v[k] * inv * (w[j] + w_offset);
+            v[k] = v[k] * inv * (w[${at("w", "j")}] + w_offset);
     }
 % if half:
     ${rotate("v", False)}
@@ -126,10 +127,10 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
         if (j < HV)
-            y[base + j] = v[k];
+            y[${at("y", "base + j")}] = v[k];
     }
     if (t == 0)
-        inv_out[unit] = inv;
+        inv_out[${at("inv_out", "unit")}] = inv;
 }
 
 // g = R⁻¹·dy; dx = inv·w·g − x·inv³/HD·Σ g·w·x (written); partial[b] = Σ_units g·x·inv.
@@ -137,13 +138,13 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial, __global const vec *restrict x,
                       __global const vec *restrict w, __global const float *restrict inv, ${rope_arg()}
                       __global const vec *restrict dy, const idx_t units, const uint heads, const uint window,
-                      const float w_offset)
+                      const float w_offset${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), "dy")})
 {
     ${setup()}
     vec we[CH], acc[CH];
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
-        we[k] = j < HV ? w[j] + w_offset : (vec)(0.0f);
+        we[k] = j < HV ? w[${at("w", "j")}] + w_offset : (vec)(0.0f);
         acc[k] = (vec)(0.0f);
     }
     const idx_t first = (idx_t)get_group_id(0) * RB;
@@ -157,7 +158,7 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
         vec g[CH], xv[CH];
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
-            g[k] = (ok && j < HV) ? dy[base + j] : (vec)(0.0f);
+            g[k] = (ok && j < HV) ? dy[${at("dy", "base + j")}] : (vec)(0.0f);
         }
 % if half:
         ${rotate("g", True)}
@@ -165,17 +166,17 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
         float s = 0.0f;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
-            xv[k] = (ok && j < HV) ? x[base + j] : (vec)(0.0f);
+            xv[k] = (ok && j < HV) ? x[${at("x", "base + j")}] : (vec)(0.0f);
             const vec p = g[k] * we[k] * xv[k];
             s += ${lanes_sum(vw, "p")};
         }
         ${common.group_sum("total", "s", "seg_scratch", "t", tpu)}
-        const float iv = ok ? inv[unit] : 0.0f;
+        const float iv = ok ? inv[${at("inv", "unit")}] : 0.0f;
         const float coef = total / HD * iv * iv * iv;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
             if (ok && j < HV)
-                dx[base + j] = iv * we[k] * g[k] - xv[k] * coef;
+                dx[${at("dx", "base + j")}] = iv * we[k] * g[k] - xv[k] * coef;
             acc[k] += g[k] * xv[k] * iv;
         }
     }
@@ -190,6 +191,6 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
         vec s = buf[j];
         for (uint u = 1; u < UPG; ++u)
             s += buf[u * HV + j];
-        partial[(idx_t)get_group_id(0) * HV + j] = s;
+        partial[${at("partial", "(idx_t)get_group_id(0) * HV + j")}] = s;
     }
 }

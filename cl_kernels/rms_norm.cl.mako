@@ -24,6 +24,7 @@
 // type (uint when every index fits 32 bits, else ulong).
 <%page args="kind, wg, vw, idx, rpg=None, ch=None, cache=None, rb=None"/>
 <%namespace name="common" file="common.cl.mako"/>
+${common.guards()}\
 #define WG ${wg}
 #define VW ${vw}
 typedef ${idx} idx_t;
@@ -56,7 +57,7 @@ def lanes_sum(vw, v):
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __global const vec *restrict x,
                   __global const vec *restrict w, const idx_t n, const uint dv, const float d, const float eps,
-                  const float w_offset)
+                  const float w_offset${checked_args("y", "inv_out", "x", "w")})
 {
     ${row_setup()}
 % if cache:
@@ -65,7 +66,7 @@ void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __
     float ss = 0.0f;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
-        const vec v = (ok && j < dv) ? x[base + j] : (vec)(0.0f);
+        const vec v = (ok && j < dv) ? x[${at("x", "base + j")}] : (vec)(0.0f);
 % if cache:
         xs[k] = v;
 % endif
@@ -80,17 +81,17 @@ void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
-            y[base + j] = ${"xs[k]" if cache else "x[base + j]"} * inv * (w[j] + w_offset);
+            y[${at("y", "base + j")}] = ${"xs[k]" if cache else "x[%s]" % at("x", "base + j")} * inv * (w[${at("w", "j")}] + w_offset);
     }
     if (t == 0)
-        inv_out[row] = inv;
+        inv_out[${at("inv_out", "row")}] = inv;
 }
 
 // dx = inv·w·dy − x·inv³/d·Σ dy·w·x  (written, not accumulated); eps only for d = 1
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __global const vec *restrict w,
                   __global const float *restrict inv, __global const vec *restrict dy, const idx_t n,
-                  const uint dv, const float d, const float eps, const float w_offset)
+                  const uint dv, const float d, const float eps, const float w_offset${checked_args("dx", "x", "w", "inv", "dy")})
 {
     ${row_setup()}
 % if cache:
@@ -100,8 +101,8 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         const bool live = ok && j < dv;
-        const vec xv = live ? x[base + j] : (vec)(0.0f);
-        const vec gv = live ? dy[base + j] * (w[j] + w_offset) : (vec)(0.0f);
+        const vec xv = live ? x[${at("x", "base + j")}] : (vec)(0.0f);
+        const vec gv = live ? dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset) : (vec)(0.0f);
 % if cache:
         xs[k] = xv;
         gs[k] = gv;
@@ -112,12 +113,12 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
     ${common.group_sum("total", "s", "row_scratch", "t", tpr)}
     if (!ok)
         return;
-    const float iv = inv[row];
+    const float iv = inv[${at("inv", "row")}];
 % if vw == 1:
     if (dv == 1) {
         // One column: inv·g·(1 − x²·inv²) cancels catastrophically in float; 1 − x²·inv² is eps·inv².
         if (t == 0)
-            dx[base] = iv * (dy[base] * (w[0] + w_offset)) * (eps * iv * iv);
+            dx[${at("dx", "base")}] = iv * (dy[${at("dy", "base")}] * (w[${at("w", "0")}] + w_offset)) * (eps * iv * iv);
         return;
     }
 % endif
@@ -126,9 +127,9 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
         const uint j = t + k * TPR;
         if (j < dv)
 % if cache:
-            dx[base + j] = iv * gs[k] - xs[k] * coef;
+            dx[${at("dx", "base + j")}] = iv * gs[k] - xs[k] * coef;
 % else:
-            dx[base + j] = iv * (dy[base + j] * (w[j] + w_offset)) - x[base + j] * coef;
+            dx[${at("dx", "base + j")}] = iv * (dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset)) - x[${at("x", "base + j")}] * coef;
 % endif
     }
 }
@@ -139,7 +140,7 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_dw_partial(__global vec *restrict partial, __global const vec *restrict x,
                          __global const float *restrict inv, __global const vec *restrict dy, const idx_t n,
-                         const uint dv)
+                         const uint dv${checked_args("partial", "x", "inv", "dy")})
 {
     const uint j = get_group_id(0) * WG + get_local_id(0);
     if (j >= dv)
@@ -148,21 +149,21 @@ void rms_norm_dw_partial(__global vec *restrict partial, __global const vec *res
     const idx_t r1 = min(n, r0 + RB);
     vec acc = (vec)(0.0f);
     for (idx_t r = r0; r < r1; ++r)
-        acc += dy[r * dv + j] * x[r * dv + j] * inv[r];
-    partial[(idx_t)get_group_id(1) * dv + j] = acc;
+        acc += dy[${at("dy", "r * dv + j")}] * x[${at("x", "r * dv + j")}] * inv[${at("inv", "r")}];
+    partial[${at("partial", "(idx_t)get_group_id(1) * dv + j")}] = acc;
 }
 
 // dw[c] (+)= Σ_b partial[b, c], b in order: the same bits on every run.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void column_sum(__global float *restrict dw, __global const float *restrict partial, const uint rows,
-                const uint cols, const int accumulate)
+                const uint cols, const int accumulate${checked_args("dw", "partial")})
 {
     const uint c = get_group_id(0) * WG + get_local_id(0);
     if (c >= cols)
         return;
     float s = 0.0f;
     for (uint b = 0; b < rows; ++b)
-        s += partial[(idx_t)b * cols + c];
-    dw[c] = accumulate ? dw[c] + s : s;
+        s += partial[${at("partial", "(idx_t)b * cols + c")}];
+    dw[${at("dw", "c")}] = accumulate ? dw[${at("dw", "c")}] + s : s;
 }
 % endif

@@ -28,7 +28,7 @@ VECTOR_WIDTHS = (1, 2, 4, 8, 16)
 MAX_CACHED = 32
 
 
-def _pow2_ceil(v):
+def pow2_ceil(v):
     return 1 << max(0, int(v) - 1).bit_length()
 
 
@@ -46,7 +46,7 @@ def _cap(dev):
 def heuristic_rows(dev, d):
     """About 8 vectors per work-item, up to 1024 work-items per row; small rows share a group."""
     vw = vector_width(4, d)
-    tpr = min(_pow2_ceil(-(-d // (vw * 8))), _cap(dev))
+    tpr = min(pow2_ceil(-(-d // (vw * 8))), _cap(dev))
     wg = max(tpr, min(64, _cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr}
 

@@ -25,7 +25,7 @@ import pyopencl.array as cla
 
 from . import tuning
 from .args import check_array, check_queue, events, finite_float, index_type, output, positive_int
-from .norm import _pow2_ceil, check_params, column_sum, vector_width
+from .norm import check_params, column_sum, pow2_ceil, vector_width
 from .program import LimitError, kernels
 
 TEMPLATE = "qk_norm_rope.cl.mako"
@@ -36,7 +36,7 @@ def heuristic(dev, hd):
     """One vector of 4 per work-item up to 128 work-items per unit; groups of at least 128."""
     cap = int(min(dev.max_work_group_size, 1024))
     vw = vector_width(4, hd)
-    tpu = min(_pow2_ceil(hd // vw), 128, cap)
+    tpu = min(pow2_ceil(hd // vw), 128, cap)
     wg = max(tpu, min(128, cap))
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "rb": 32 * (wg // tpu)}
 

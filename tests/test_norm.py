@@ -6,8 +6,10 @@ import pyopencl.array as cla
 import pytest
 
 import clops
+from clops import norm
 from clops import reference as ref
 from clops import tuning
+from clops.program import OutOfBoundsError
 from clops.reference import rel_err, rnd
 
 
@@ -123,3 +125,14 @@ def test_bad_input_is_rejected_before_anything_runs(queue):
         clops.rms_norm(queue, X2, W, out=OUT)
     assert DW.get().tobytes() == sentinel.tobytes()
     assert np.all(OUT.get() == 7.0) and np.all(DX.get() == 7.0)
+
+
+def test_checked_build_catches_out_of_range_rows(queue, monkeypatch):
+    """The guards are in place: a launch for 5 rows over buffers of 2 raises in a checked build."""
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    d = 64
+    X, W = _dev(queue, rnd((2, d), 1), rnd(d, 2))
+    y, inv = cla.empty(queue, (2, d), np.float32), cla.empty(queue, 2, np.float32)
+    knl, groups, sizes = norm._row_kernel(queue, "rms_norm_fwd", 5, d)
+    with pytest.raises(OutOfBoundsError, match=r"rms_norm_fwd .*(x|y|inv_out)\["):
+        knl(queue, groups, [y.data, inv.data, X.data, W.data, *sizes, np.float32(1e-6), np.float32(0)])

@@ -1,6 +1,8 @@
 """Per-head q/k RMSNorm + partial RoPE parity (y, inv, dx, dw; both gain styles) at the seed's shape, head dims
 4…512, half from 0 to hd/2, both x layouts, a window shorter than the table; launch-parameter variants;
 deterministic dw; bad input rejected before anything runs."""
+import importlib
+
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -9,6 +11,9 @@ import pytest
 import clops
 from clops import reference as ref
 from clops import tuning
+from clops.program import OutOfBoundsError
+
+qkr = importlib.import_module("clops.qk_norm_rope")  # the module; clops.qk_norm_rope is the op
 from clops.reference import rel_err, rnd
 
 
@@ -173,3 +178,16 @@ def test_bad_input_is_rejected_before_anything_runs(queue):
     with pytest.raises(ValueError, match="rope: array belongs to another context"):
         clops.qk_norm_rope_bwd(queue, X, W, INV, R2, DY, dx=DX, dw=DW)
     assert np.all(DW.get() == 7.0) and np.all(OUT.get() == 7.0) and np.all(DX.get() == 7.0)
+
+
+def test_checked_build_catches_a_table_read_past_its_end(queue, monkeypatch):
+    """The guards are in place: window 5 over a table of 2 positions raises in a checked build."""
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    x, w, _ = _data(5, 1, 16)
+    X, W, R = _dev(queue, x, w, ref.rope_table(2, 8))
+    y, inv = cla.empty(queue, x.shape, np.float32), cla.empty(queue, (5, 1), np.float32)
+    p, knl, units = qkr._kernel(queue, "qk_norm_rope_fwd", 5, 16, 8)
+    args = [y.data, inv.data, X.data, W.data, R.data, units, np.uint32(1), np.uint32(5), np.float32(1e-6),
+            np.float32(1)]
+    with pytest.raises(OutOfBoundsError, match=r"qk_norm_rope_fwd .*rope\["):
+        knl(queue, (-(-5 // p["upg"]),), args)
