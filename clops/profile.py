@@ -76,13 +76,16 @@ class Profile:
         if queue == self.queue:
             self.counts[what] += amount
 
-    def span_ms(self):
-        """Device time from the first recorded kernel's start to the last one's end."""
-        if not self.launches:
-            raise ValueError("profile: no clops kernel was enqueued on this queue")
-        cl.wait_for_events([r.event for r in self.launches])
-        start = min(r.event.profile.start for r in self.launches)
-        return (max(r.event.profile.end for r in self.launches) - start) * 1e-6
+    def span_ms(self, kernels=None):
+        """Device time from the first recorded kernel's start to the last one's end (only those named in
+        ``kernels``, if given)."""
+        launches = [r for r in self.launches if kernels is None or r.name in kernels]
+        if not launches:
+            raise ValueError(f"profile: no clops kernel{' of ' + ', '.join(kernels) if kernels else ''} "
+                             "was enqueued on this queue")
+        cl.wait_for_events([r.event for r in launches])
+        start = min(r.event.profile.start for r in launches)
+        return (max(r.event.profile.end for r in launches) - start) * 1e-6
 
     def summary(self):
         """[(kernel name, calls, total ms, mean ms, share of all kernel time)], longest first."""
@@ -110,11 +113,11 @@ def profile(queue):
     return Profile(queue)
 
 
-def measure(queue, fn, *, warmup=2, runs=7):
+def measure(queue, fn, *, warmup=2, runs=7, kernels=None):
     """Median device time in ms of ``fn()`` (which enqueues clops ops on ``queue``) and the list of times.
 
-    Each call is timed from its first kernel's start to its last kernel's end,
-    after ``warmup`` untimed calls; ``runs`` must be at least 1.
+    Each call is timed from its first kernel's start to its last kernel's end
+    (of those named in ``kernels``, if given), after ``warmup`` untimed calls.
     """
     for _ in range(warmup):
         fn()
@@ -123,5 +126,5 @@ def measure(queue, fn, *, warmup=2, runs=7):
     for _ in range(runs):
         with Profile(queue) as prof:
             fn()
-        times.append(prof.span_ms())
+        times.append(prof.span_ms(kernels))
     return statistics.median(times), times

@@ -70,6 +70,8 @@ class Family:
     problem: object  # problem(shape_class, small) -> {size name: int}
     prepare: object  # prepare(queue, shape_class, problem) -> Case
     doc: str
+    derive: object = None  # derive(params, shape_class) -> params plus those fixed by the others' values
+    kernels: tuple = ()  # kernels timed (empty: all the op enqueues)
 
 
 def _pool(queue):
@@ -140,7 +142,7 @@ def _rms_norm_dw(queue, sc, pb):
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
 
 def attention_flops(windows, window, nh, hd):
-    """Forward FLOPs of causal attention (DESIGN.md); the backward counts 2.5 times as many."""
+    """Forward FLOPs of causal attention (DESIGN.md): two matrix products (S = QKᵀ, O = PV)."""
     return 4 * windows * nh * window * window * hd / 2
 
 
@@ -162,7 +164,13 @@ def _attention_fwd(queue, sc, pb):
                 attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
-def _attention_bwd(queue, sc, pb):
+def _attention_bwd(products):
+    """The backward, its work counted as ``products`` matrix products of a forward's size each
+    (dkv: S, dP, dV, dK; dq: S, dP, dQ)."""
+    return lambda queue, sc, pb: _attention_bwd_case(queue, sc, pb, products)
+
+
+def _attention_bwd_case(queue, sc, pb, products):
     import clops
 
     q, k, v = _attention_data(pb, sc["hd"])
@@ -172,7 +180,7 @@ def _attention_bwd(queue, sc, pb):
     pool = _pool(queue)
     return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], allocator=pool),
                 ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), 1e-5, "TFLOP/s",
-                2.5 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
+                products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
 def _wg_fits(wg):
@@ -181,6 +189,68 @@ def _wg_fits(wg):
 
 def _divides(a, b):
     return (f"{a} divides {b}", lambda p, dev, sc: p[b] % p[a] == 0)
+
+
+def _qk_norm_rope(queue, sc, pb):
+    import clops
+
+    hd, n, heads, window = sc["hd"], pb["rows"], pb["heads"], pb["window"]
+    x, w, dy = ref.rnd((n, heads, hd), 1, 2.0), ref.rnd(hd, 2, 0.5), ref.rnd((n, heads, hd), 3, 1.0)
+    rope = ref.rope_table(window, hd // 4)
+    dx_, dw_, ddy, drope = _upload(queue, x, w, dy, rope)
+    pool = _pool(queue)
+    y, inv = ref.qk_norm_rope(x, w, rope)
+
+    def call():
+        y_, inv_ = clops.qk_norm_rope(queue, dx_, dw_, drope, allocator=pool)
+        return (y_, inv_, *clops.qk_norm_rope_bwd(queue, dx_, dw_, inv_, drope, ddy, allocator=pool))
+
+    shape = (n, heads, hd)
+    work = _nbytes(shape, (hd,), shape, (n, heads)) + _nbytes(shape, (hd,), (n, heads), shape, shape, (hd,))
+    return Case(call, (y, inv, *ref.qk_norm_rope_bwd(x, w, inv, rope, dy)), 1e-5, "GB/s", work)
+
+
+def _bwd_derive(kind):
+    """wg from the accumulator tile ((rows/tr)·(hd/td)), then sk so that (bq/sq)·(bk/sk) = wg (0: impossible)."""
+    rows = "bk" if kind == "dkv" else "bq"
+
+    def derive(p, sc):
+        wg = (p[rows] // p["tr"]) * (sc["hd"] // p["td"])
+        per = p["bq"] * p["bk"]
+        sk = per // (p["sq"] * wg) if per % (p["sq"] * wg) == 0 else 0
+        return dict(p, wg=wg, sk=sk)
+
+    return derive
+
+
+def _bwd_local_bytes(kind):
+    def fits(p, dev, sc):
+        # The formula of clops/attention.py (_bwd_local_bytes); the op itself rejects what does not fit.
+        m = 2 if kind == "dkv" else 1
+        stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"], m * p["jc"] * sc["hd"])
+        return 4 * (stage + m * p["bq"] * p["bk"]) <= dev.local_mem_size
+
+    return fits
+
+
+def _bwd_family(kind):
+    rows, chunked = ("bk", "bq") if kind == "dkv" else ("bq", "bk")
+    restrictions = (
+        ("sk: (bq/sq)·(bk/sk) = wg has a solution", lambda p, dev, sc: p["sk"] > 0),
+        _divides("sq", "bq"), _divides("sk", "bk"), _divides("tr", rows), _divides("jc", chunked),
+        _divides("vw", "dc"), _divides("vw", "td"),
+        ("dc and td divide hd", lambda p, dev, sc: sc["hd"] % p["dc"] == 0 and sc["hd"] % p["td"] == 0),
+        _wg_fits(lambda p: p["wg"]),
+        ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _bwd_local_bytes(kind)),
+    )
+    names = ("attn_bwd_dsum", "attn_bwd_dkv") if kind == "dkv" else ("attn_bwd_dq",)
+    return Family(
+        f"attention_bwd_{kind}", ("attention_bwd.cl.mako",), {"hd": 128},
+        lambda sc: {"bq": [16, 32, 64], "bk": [16, 32, 64], "tr": [1, 2, 4, 8], "td": [8, 16, 32, 64],
+                    "vw": [2, 4], "dc": [8, 16, 32], "jc": [4, 8, 16], "sq": [1, 2, 4]},
+        restrictions, _attention_problem, _attention_bwd(4 if kind == "dkv" else 3),
+        f"attention_bwd on [windows·window, nh|nkv, hd], timing {' + '.join(names)}",
+        derive=_bwd_derive(kind), kernels=names)
 
 
 def _attention_problem(sc, small):
@@ -228,6 +298,17 @@ FAMILIES = {
          _wg_fits(lambda p: p["tx"] * p["bq"] // p["rq"]),
          ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _fwd_local_bytes)),
         _attention_problem, _attention_fwd, "attention forward on [windows·window, nh|nkv, hd]"),
+    "attention_bwd_dkv": _bwd_family("dkv"),
+    "attention_bwd_dq": _bwd_family("dq"),
+    "qk_norm_rope": Family(
+        "qk_norm_rope", ("qk_norm_rope.cl.mako",), {"hd": 128},
+        lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "upg": [1, 2, 4, 8], "rb": [8, 16, 32, 64]},
+        (_wg_fits(lambda p: p["wg"]), _divides("upg", "wg"), _divides("upg", "rb"),
+         ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE",
+          lambda p, dev, sc: 4 * (p["upg"] * sc["hd"] + p["wg"]) <= dev.local_mem_size)),
+        lambda sc, small: {"rows": 128 if small else _TOKENS, "heads": 4 if small else 16, "window": 64 if small
+                           else 4096},
+        _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd], rotary half hd/4"),
 }
 
 
@@ -247,12 +328,15 @@ def template_hash(templates):
     return h.hexdigest()
 
 
-def configurations(space, restrictions, dev, sc):
-    """(kept, left_out): the product of the lists in order, and {restriction text: count} of those left out."""
+def configurations(space, restrictions, dev, sc, derive=None):
+    """(kept, left_out): the product of the lists in order (with derived parameters added), and
+    {restriction text: count} of those left out."""
     names = list(space)
     kept, left_out = [], {}
     for values in itertools.product(*(space[k] for k in names)):
         p = dict(zip(names, values))
+        if derive is not None:
+            p = derive(p, sc)
         failed = next((text for text, pred in restrictions if not pred(p, dev, sc)), None)
         if failed is None:
             kept.append(p)
@@ -318,7 +402,7 @@ def evaluate(queue, fam, case, sc, params, runs, warmup):
         if not err <= case.tol:
             return {"params": params, "status": "wrong", "err": err, "used": used,
                     "reason": f"rel err {err:.2e} > {case.tol:.0e}"}
-        ms, times = measure(queue, case.call, warmup=warmup, runs=runs)
+        ms, times = measure(queue, case.call, warmup=warmup, runs=runs, kernels=fam.kernels or None)
     except (ValueError, RuntimeError, cl.Error) as e:
         return {"params": params, "status": "failed", "reason": _reason(e)}
     finally:
@@ -350,7 +434,7 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
     dev = queue.device
     head = header(fam, dev, sc, problem, space)
     results = [] if fresh or not Path(path).exists() else load_results(path, head)
-    configs, left_out = configurations(space, fam.restrictions if restrict else (), dev, sc)
+    configs, left_out = configurations(space, fam.restrictions if restrict else (), dev, sc, fam.derive)
     for text, count in left_out.items():
         out(f"left out by restriction '{text}': {count}")
     if sample is not None and sample < len(configs):
@@ -384,20 +468,20 @@ def best_result(results):
 
 def table(head, results, top=20):
     """The results as text: the fastest ``top`` correct ones, then every wrong or failed one with its reason."""
-    names = head["params"]
+    names = list(dict.fromkeys(k for r in results for k in r["params"])) or head["params"]
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"])
     unit = next((u for u in ("GB/s", "TFLOP/s") if ok and u in ok[0]), "")
     cols = "".join(f"{n:>6}" for n in names)
     lines = [f"{cols} {'ms':>10} {unit:>9} {'rel err':>9}"]
     for r in ok[:top]:
-        vals = "".join(f"{r['params'][n]!s:>6}" for n in names)
+        vals = "".join(f"{r['params'].get(n, '')!s:>6}" for n in names)
         lines.append(f"{vals} {r['ms']:>10.4f} {r[unit]:>9.3g} {r['err']:>9.1e}")
     if len(ok) > top:
         lines.append(f"... {len(ok) - top} more correct configurations")
     for r in results:
         if r["status"] != "ok":
-            vals = "".join(f"{r['params'][n]!s:>6}" for n in names)
-            lines.append(f"{vals} {r['status'].upper():>10} {r['reason'][:140]}")
+            vals = "".join(f"{r['params'].get(n, '')!s:>6}" for n in names)
+            lines.append(f"{vals} {r['status'].upper():>10} {r['reason'][:160]}")
     counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "wrong", "failed")}
     lines.append(f"{len(results)} configurations: {counts['ok']} correct, {counts['wrong']} wrong, "
                  f"{counts['failed']} failed")

@@ -9,7 +9,7 @@ import pytest
 
 import clops
 from clops import program, tune, tuning
-from clops.reference import rnd
+from clops.reference import rel_err, rnd
 
 
 @pytest.fixture
@@ -79,6 +79,20 @@ def test_configurations_and_restrictions():
     small = types.SimpleNamespace(max_work_group_size=256, local_mem_size=1 << 12)
     kept, left_out = tune.configurations(dict(space, rq=[4]), fam.restrictions, small, {"hd": 64})
     assert kept == [] and left_out == {"local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE": 2}
+
+
+@pytest.mark.parametrize("name", sorted(tune.FAMILIES))
+def test_family_cases_match_the_reference(queue, name):
+    """Each family's problem, run with the op's own parameters, agrees with its reference answer."""
+    fam = tune.FAMILIES[name]
+    sc = dict(fam.shape_class, **({"hd": 32} if "hd" in fam.shape_class else {"d": 96} if "d" in fam.shape_class
+                                  else {}))
+    problem = {k: min(v, 64) for k, v in fam.problem(sc, True).items()}
+    case = fam.prepare(queue, sc, problem)
+    outs = case.call()
+    assert len(outs) == len(case.want) and case.work > 0 and case.unit in ("GB/s", "TFLOP/s")
+    for got, want in zip(outs, case.want):
+        assert rel_err(got.get(), want) <= case.tol
 
 
 ATTN = ["attention_fwd", "--class", "hd=32", "--small", "--size", "windows=1", "--size", "window=40",
