@@ -20,8 +20,9 @@
 //     writes (or adds into) dw. clops.qk_norm_rope reuses it.
 //
 // Parameters: WG work-items per group, VW vector width, RPG rows per group,
-// CH vectors per work-item per row, RB rows per partial block, IDX the index
-// type (uint when every index fits 32 bits, else ulong).
+// CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in registers,
+// RB rows per partial block, IDX the index type (uint when every index fits
+// 32 bits, else ulong).
 <%page args="kind, wg, vw, idx, rpg=None, ch=None, cache=None, rb=None"/>
 <%namespace name="common" file="common.cl.mako"/>
 ${common.guards()}\

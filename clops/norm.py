@@ -107,7 +107,7 @@ def _check_x(queue, x):
 
 def _row_kernel(queue, name, n, d):
     p = row_params(queue.device, d)
-    idx = index_type(n * d + p["wg"] * p["vw"])
+    idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
     knl = kernels(queue, TEMPLATE, dict(p, kind="rows", idx=idx), work_group_size=p["wg"])[name]
     itype = np.uint32 if idx == "uint" else np.uint64
     sizes = [itype(n), np.uint32(d // p["vw"]), np.float32(d)]
@@ -152,7 +152,7 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
 
 def _dw_kernels(queue, rows, d):
     p = dw_params(queue.device, d)
-    idx = index_type(rows * d + p["wg"] * p["vw"])
+    idx = index_type((rows + p["rb"]) * d + p["wg"] * p["vw"])
     return p, idx, kernels(queue, TEMPLATE, dict(p, kind="dw", idx=idx), work_group_size=p["wg"])
 
 
