@@ -8,12 +8,16 @@
 // Work-item (ty, tx) owns RQ query rows ty·RQ + i. Per key block of BK keys:
 //   1. S = Q·Kᵀ: Q and K are staged DC head-dim columns at a time; the
 //      work-item scores keys j·TX + tx (j < RK) of its rows in registers.
+//      When one chunk holds the whole head dim, Q is staged once and stays.
 //   2. Online softmax in the log2 domain (c = scale·log2 e folded into S):
 //      the row max goes through local memory across the TX work-items of a
 //      row; each keeps a partial row sum and rescales its own output rows;
 //      P is written transposed to local memory.
 //   3. O += P·V: V is staged KC keys at a time; the work-item accumulates
 //      RQ rows × RDV vectors of VW columns, columns (j·TX + tx)·VW.
+// Every chunk is fetched into registers one step ahead (the next Q/K chunk,
+// the first V chunk, the next block's first Q/K chunk) so global latency
+// hides behind the current step's arithmetic.
 // Only blocks holding a visible key are visited; masking (key > query, or key
 // past the window) is applied to every score, so the diagonal and a partial
 // last block need no separate path. Every barrier is in uniform control flow.
@@ -23,9 +27,12 @@
 // of Q·Kᵀ, KC key chunk of P·V, HD head dim (HDP: padded to TX·VW).
 <%
     hdp = -(-hd // (tx * vw)) * (tx * vw)
+    resident = dc >= hd
     pw = 4 if rq % 4 == 0 else (2 if rq % 2 == 0 else 1)
+    rw = 4 if tx % 4 == 0 else (2 if tx % 2 == 0 else 1)
     comps = [""] if vw == 1 else [".s%d" % e for e in range(vw)]
     pcomps = [""] if pw == 1 else [".s%d" % e for e in range(pw)]
+    rcomps = [""] if rw == 1 else [".s%d" % e for e in range(rw)]
 %>
 #define HD ${hd}
 #define HDP ${hdp}
@@ -45,20 +52,54 @@
 #define VS (HDP / VW + 1)            // row stride (vectors) of staged V
 #define PW ${pw}                     // vector width of P rows
 #define PS ((BQ + 4) / PW)           // row stride (vectors) of Pᵀ
+#define RW ${rw}                     // vector width of reads of per-row partials
+#define QN ((BQ * (DC / VW) + WG - 1) / WG)   // vectors each work-item fetches per Q chunk
+#define KN ((BK * (DC / VW) + WG - 1) / WG)   // ... per K chunk
+#define VN ((KC * (HDP / VW) + WG - 1) / WG)  // ... per V chunk
+% if resident:
+#define STAGE (BK * QKS > KC * VS ? BK * QKS : KC * VS)
+% else:
 #define STAGE ((BQ + BK) * QKS > KC * VS ? (BQ + BK) * QKS : KC * VS)
+% endif
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec_t;
 typedef ${vtype(pw)} pvec_t;
+typedef ${vtype(rw)} rvec_t;
+
+## Fetch rows [r0, r0 + rows) × vector columns [c0, c0 + cols) of src into registers dst[n];
+## rows past the window and columns past the head dim read as zero.
+<%def name="fetch(dst, n, rows, cols, src, base, stride, r0, c0)">
+            #pragma unroll
+            for (int u = 0; u < ${n}; ++u) {
+                const uint e = lid + u * WG, r = e / (${cols}), d = (${c0}) + e % (${cols});
+                ${dst}[u] = (e < (${rows}) * (${cols}) && (${r0}) + r < T && d < HD / VW)
+                    ? ${src}[${base} + ((${r0}) + r) * ${stride} + d] : (vec_t)(0.0f);
+            }
+</%def>
+## Store the fetched registers src[n] into local rows of `stride` vectors.
+<%def name="put(dst, src, n, rows, cols, stride)">
+            #pragma unroll
+            for (int u = 0; u < ${n}; ++u) {
+                const uint e = lid + u * WG;
+                if (e < (${rows}) * (${cols})) ${dst}[e / (${cols}) * ${stride} + e % (${cols})] = ${src}[u];
+            }
+</%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restrict k,
                    __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,
                    const uint T, const uint nh, const uint rep, const float c)
 {
-    __local vec_t stage[STAGE];      // Q and K chunks, then V chunks
+    __local vec_t stage[STAGE];      // K chunks (and Q chunks unless resident), then V chunks
     __local pvec_t pt[BK * PS];      // Pᵀ: pt[key][row]
-    __local float red[BQ * TX];      // per-row partials of the TX work-items of a row
+    __local rvec_t red[BQ * TX / RW]; // per-row partials of the TX work-items of a row
+    __local float *reds = (__local float *)red;
+% if resident:
+    __local vec_t qs[BQ * QKS];
+    __local vec_t *ks = stage;
+% else:
     __local vec_t *qs = stage, *ks = stage + BQ * QKS;
+% endif
 
     const uint lid = get_local_id(0), tx = lid % TX, ty = lid / TX;
     const uint h = get_group_id(0), w = get_group_id(1);
@@ -80,6 +121,9 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
         for (int j = 0; j < RDV; ++j) acc[i][j] = (vec_t)(0.0f);
     }
 
+    vec_t qr[QN], kr[KN], vr[VN];
+    ${fetch("qr", "QN", "BQ", "DC / VW", "q", "qbase", "qstride", "q0", "0")}
+    ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "0", "0")}
     for (uint kb = 0; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
         float s[RQ][RK];
@@ -88,17 +132,25 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             #pragma unroll
             for (int j = 0; j < RK; ++j) s[i][j] = 0.0f;
         }
-        for (uint d0 = 0; d0 < NDC * (DC / VW); d0 += DC / VW) {
+        for (uint dc = 0; dc < NDC; ++dc) {
             barrier(CLK_LOCAL_MEM_FENCE);
-            for (uint e = lid; e < BQ * (DC / VW); e += WG) {
-                const uint r = e / (DC / VW), d = d0 + e % (DC / VW);
-                qs[r * QKS + e % (DC / VW)] = (q0 + r < T && d < HD / VW) ? q[qbase + (q0 + r) * qstride + d] : (vec_t)(0.0f);
+% if resident:
+            if (kb == 0) {
+                ${put("qs", "qr", "QN", "BQ", "DC / VW", "QKS")}
             }
-            for (uint e = lid; e < BK * (DC / VW); e += WG) {
-                const uint r = e / (DC / VW), d = d0 + e % (DC / VW);
-                ks[r * QKS + e % (DC / VW)] = (k0 + r < T && d < HD / VW) ? k[kbase + (k0 + r) * kstride + d] : (vec_t)(0.0f);
-            }
+% else:
+            ${put("qs", "qr", "QN", "BQ", "DC / VW", "QKS")}
+% endif
+            ${put("ks", "kr", "KN", "BK", "DC / VW", "QKS")}
             barrier(CLK_LOCAL_MEM_FENCE);
+            if (dc + 1 < NDC) {
+% if not resident:
+                ${fetch("qr", "QN", "BQ", "DC / VW", "q", "qbase", "qstride", "q0", "(dc + 1) * (DC / VW)")}
+% endif
+                ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "k0", "(dc + 1) * (DC / VW)")}
+            } else {
+                ${fetch("vr", "VN", "KC", "HDP / VW", "v", "kbase", "kstride", "k0", "0")}
+            }
             #pragma unroll
             for (int d = 0; d < DC / VW; ++d) {
                 vec_t qv[RQ], kv[RK];
@@ -129,7 +181,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
                 s[i][j] = (kj <= qi && kj < T) ? s[i][j] * c : -INFINITY;
                 mx = fmax(mx, s[i][j]);
             }
-            red[(ty * RQ + i) * TX + tx] = mx;
+            reds[(ty * RQ + i) * TX + tx] = mx;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         // Block 0 always holds key 0, visible to every row, so m is finite from the first block on.
@@ -137,7 +189,13 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
         #pragma unroll
         for (int i = 0; i < RQ; ++i) {
             float mnew = m[i];
-            for (int t = 0; t < TX; ++t) mnew = fmax(mnew, red[(ty * RQ + i) * TX + t]);
+            #pragma unroll
+            for (int t = 0; t < TX / RW; ++t) {
+                const rvec_t x = red[(ty * RQ + i) * (TX / RW) + t];
+% for e in rcomps:
+                mnew = fmax(mnew, x${e});
+% endfor
+            }
             const float corr = exp2(m[i] - mnew);
             m[i] = mnew;
             l[i] *= corr;
@@ -161,19 +219,24 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             }
         }
 
-        for (uint c0 = 0; c0 < BK; c0 += KC) {
+        for (uint cc = 0; cc < BK / KC; ++cc) {
             barrier(CLK_LOCAL_MEM_FENCE);
-            for (uint e = lid; e < KC * (HDP / VW); e += WG) {
-                const uint r = e / (HDP / VW), d = e % (HDP / VW);
-                stage[r * VS + d] = (k0 + c0 + r < T && d < HD / VW) ? v[kbase + (k0 + c0 + r) * kstride + d] : (vec_t)(0.0f);
+            ${put("stage", "vr", "VN", "KC", "HDP / VW", "VS")}
+            barrier(CLK_LOCAL_MEM_FENCE);
+            if (cc + 1 < BK / KC) {
+                ${fetch("vr", "VN", "KC", "HDP / VW", "v", "kbase", "kstride", "k0 + (cc + 1) * KC", "0")}
+            } else if (kb + 1 < nkb) {
+% if not resident:
+                ${fetch("qr", "QN", "BQ", "DC / VW", "q", "qbase", "qstride", "q0", "0")}
+% endif
+                ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "k0 + BK", "0")}
             }
-            barrier(CLK_LOCAL_MEM_FENCE);
             #pragma unroll
             for (int kk = 0; kk < KC; ++kk) {
                 float pr[RQ];
                 #pragma unroll
                 for (int i = 0; i < RQ; i += PW) {
-                    const pvec_t pv = pt[(c0 + kk) * PS + (ty * RQ + i) / PW];
+                    const pvec_t pv = pt[(cc * KC + kk) * PS + (ty * RQ + i) / PW];
 % for e, pc in enumerate(pcomps):
                     pr[i + ${e}] = pv${pc};
 % endfor
@@ -190,18 +253,24 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
 
     // Row sums across the TX work-items of a row (red was last read before the P·V barriers).
     #pragma unroll
-    for (int i = 0; i < RQ; ++i) red[(ty * RQ + i) * TX + tx] = l[i];
+    for (int i = 0; i < RQ; ++i) reds[(ty * RQ + i) * TX + tx] = l[i];
     barrier(CLK_LOCAL_MEM_FENCE);
     #pragma unroll
     for (int i = 0; i < RQ; ++i) {
         const uint qi = q0 + ty * RQ + i;
         float lt = 0.0f;
-        for (int t = 0; t < TX; ++t) lt += red[(ty * RQ + i) * TX + t];
+        #pragma unroll
+        for (int t = 0; t < TX / RW; ++t) {
+            const rvec_t x = red[(ty * RQ + i) * (TX / RW) + t];
+% for e in rcomps:
+            lt += x${e};
+% endfor
+        }
         if (qi < T) {
             const idx_t row = qbase + qi * qstride;
             #pragma unroll
             for (int j = 0; j < RDV; ++j) {
-                if ((j * TX + tx) < HD / VW) o[row + j * TX + tx] = acc[i][j] / lt;
+                if (j * TX + tx < HD / VW) o[row + j * TX + tx] = acc[i][j] / lt;
             }
             if (tx == 0) lse[((idx_t)w * T + qi) * nh + h] = m[i] * M_LN2_F + log(lt);
         }

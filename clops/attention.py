@@ -19,11 +19,12 @@ Forward op name in the tuning database: ``"attention_fwd"``, shape class
   owns; divides ``dc``. The head dim is padded to a multiple of ``tx · vw`` in the
   output tile (padding is zero and never stored).
 - ``dc``: head-dim chunk of Q and K staged in local memory per step of Q·Kᵀ;
-  a multiple of ``vw``.
+  a multiple of ``vw``. With ``dc ≥ hd`` the Q block is staged once and stays.
 - ``kc``: keys of V staged in local memory per step of P·V; divides ``bk``.
 
 Local memory: ``4·(max((bq + bk)·(dc + vw), kc·(hdp + vw)) + bk·(bq + 4) + bq·tx)``
-bytes, ``hdp`` the padded head dim. A parameter set that breaks a rule or does
+bytes, ``hdp`` the padded head dim (with ``dc ≥ hd``: ``bq·(dc + vw)`` for Q plus
+``max(bk·(dc + vw), kc·(hdp + vw))``). A parameter set that breaks a rule or does
 not fit the device raises :class:`clops.LimitError` (a ValueError).
 """
 from __future__ import annotations
@@ -92,7 +93,10 @@ def _fwd_wg(p):
 
 def _fwd_local_bytes(hd, p):
     bq, bk, dc, vw, kc, tx = p["bq"], p["bk"], p["dc"], p["vw"], p["kc"], p["tx"]
-    return 4 * (max((bq + bk) * (dc + vw), kc * (_fwd_hdp(hd, p) + vw)) + bk * (bq + 4) + bq * tx)
+    v_chunk = kc * (_fwd_hdp(hd, p) + vw)
+    if dc >= hd:  # Q resident beside the K/V stage
+        return 4 * (bq * (dc + vw) + max(bk * (dc + vw), v_chunk) + bk * (bq + 4) + bq * tx)
+    return 4 * (max((bq + bk) * (dc + vw), v_chunk) + bk * (bq + 4) + bq * tx)
 
 
 def fwd_params(dev, hd):

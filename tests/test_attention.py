@@ -56,11 +56,13 @@ def test_large_logits_stay_finite(queue):
 
 
 # Tile shapes the template must honour: vector widths 1/2/4, odd row and key tiles,
-# head-dim padding (40 is not a multiple of tx·vw), bk ≠ bq, several V chunks.
+# head-dim padding (40 is not a multiple of tx·vw), bk ≠ bq, several V chunks, loads that
+# do not fill the work-group evenly.
 VARIANTS = [
     {"bq": 12, "rq": 3, "tx": 3, "bk": 9, "vw": 1, "dc": 5, "kc": 3},
     {"bq": 8, "rq": 2, "tx": 4, "bk": 16, "vw": 2, "dc": 6, "kc": 8},
     {"bq": 32, "rq": 8, "tx": 8, "bk": 8, "vw": 4, "dc": 8, "kc": 4},
+    {"bq": 16, "rq": 2, "tx": 8, "bk": 24, "vw": 2, "dc": 48, "kc": 12},  # dc ≥ hd: Q stays staged
 ]
 
 
