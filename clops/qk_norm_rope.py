@@ -9,7 +9,7 @@ The rotation table ``rope`` is a device array ``[table, half, 2]`` (cos, sin), e
 ``cla.to_device(queue, rope_table(window, half, theta=...))``; ``window`` defaults to its
 length and may be given shorter (a table too short for ``window`` is an error). No rotation
 (``half = 0``): pass ``rope=None`` or the empty ``[table, 0, 2]`` array (pyopencl holds
-such arrays without a buffer). Outputs must not overlap inputs.
+such arrays without a buffer); ``window`` is then ignored. Outputs must not overlap inputs.
 
 Tuning (``clops.tuning``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
