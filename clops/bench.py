@@ -27,6 +27,8 @@ import pyopencl as cl
 import pyopencl.array as cla
 import pyopencl.tools as cl_tools
 
+import clops
+
 from . import runtime, tuning
 from .profile import measure
 
@@ -128,8 +130,6 @@ def _mem(op, ins, **kw):
     """A memory-bound bench: ``clops.<op>(queue, *ins, **kw)``; bytes = inputs + outputs."""
 
     def setup(queue, data):
-        import clops
-
         fn = getattr(clops, op)
         arrays = [data.get(*s) for s in ins]
         # keyword arrays are given as (shape, seed) like the positional ones
@@ -143,8 +143,6 @@ def _mem(op, ins, **kw):
 
 def _norm_bwd(n, d):
     def setup(queue, data):
-        import clops
-
         x, w, dy = data.get((n, d), 1), data.get((d,), 2), data.get((n, d), 3)
         _, inv = clops.rms_norm(queue, x, w)
 
@@ -159,8 +157,6 @@ def _norm_bwd(n, d):
 
 def _qk(backward, n, window, heads, hd):
     def setup(queue, data):
-        import clops
-
         x, w, dy = data.get((n, heads, hd), 1), data.get((hd,), 2), data.get((n, heads, hd), 3)
         rope = cla.to_device(queue, clops.rope_table(window, hd // 4))
         y, inv = clops.qk_norm_rope(queue, x, w, rope, allocator=data.pool)
@@ -178,8 +174,6 @@ def attention_flops(windows, window, nh, hd):
 
 def _attention(backward, windows, window, nh, nkv, hd):
     def setup(queue, data):
-        import clops
-
         n = windows * window
         q, k, v = data.get((n, nh, hd), 1), data.get((n, nkv, hd), 2), data.get((n, nkv, hd), 3)
         flops = attention_flops(windows, window, nh, hd)
