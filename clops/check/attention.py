@@ -25,3 +25,16 @@ def forward(queue):
     want_o, want_lse = ref.attention(q, k, v, window=WINDOW)
     return [compare("attention o", SHAPE, o, want_o, O_TOL, o.events),
             compare("attention lse", SHAPE, lse, want_lse, LSE_TOL)]
+
+
+@case("attention", "backward (seed shape)")
+def backward(queue):
+    # The device pipeline (forward, then backward on its o and lse) against the float64 reference.
+    (q, k, v, do), (q_, k_, v_, do_) = inputs(queue)
+    o, lse = clops.attention(queue, q_, k_, v_, window=WINDOW)
+    gq, gk, gv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW)
+    want_o, want_lse = ref.attention(q, k, v, window=WINDOW)
+    wq, wk, wv = ref.attention_bwd(q, k, v, want_o, want_lse, do, window=WINDOW)
+    return [compare("attention_bwd dq", SHAPE, gq, wq, O_TOL, gq.events),
+            compare("attention_bwd dk", SHAPE, gk, wk, O_TOL, gk.events),
+            compare("attention_bwd dv", SHAPE, gv, wv, O_TOL)]
