@@ -7,11 +7,13 @@ Recorded while the block runs, for that queue only:
   from the profiling events (read when asked, so recording never waits);
 - host-side counts of what clops itself does, reported through
   :func:`clops.args.note`: ``buffers`` (and ``buffer_bytes``) that ops
-  allocate for their outputs, ``writes`` (and ``write_bytes``) host→device,
-  ``waits`` (and ``wait_s``, time waited). Today's ops only allocate outputs
-  and enqueue kernels: they never write from the host or wait, so those
-  counts stay 0 unless an op starts doing so. Work the caller does itself
-  (``to_device``, ``.get()``, ``finish``) is not clops's and is not counted.
+  allocate through :func:`clops.args.output` (every output array they create,
+  and scratch made there; scratch made with ``cla.empty`` directly is not
+  seen), ``writes`` (and ``write_bytes``) host→device, ``waits`` (and
+  ``wait_s``, time waited). Today's ops never write from the host or wait, so
+  those two stay 0 unless an op starts doing so and reports it. Work the
+  caller does itself (``to_device``, ``.get()``, ``finish``) is not clops's
+  and is not counted.
 
 Off (no block active), a launch pays one empty-dict check and allocation one more.
 """
