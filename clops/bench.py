@@ -349,7 +349,7 @@ def run_bench(queue, bench, data, torch, limits, out):
 
 
 def _print_row(name, rec, out):
-    head = f"{name:<30} {rec['shape']:<32}"
+    head = f"{name:<36} {rec['shape']:<26}"
     if rec["status"] != "ok":
         out(f"{head} {rec['status']}: {rec['reason']}")
     else:
@@ -385,7 +385,7 @@ def main(argv=None, queue=None, out=print):
     out(f"FP32 peak: {'unknown' if peak is None else f'{peak:.1f} TFLOP/s'}: {basis}")
     if a.peers:
         out(f"peers: {'PyTorch ' + torch.__version__ + ' on ' + torch.cuda.get_device_name() if torch else why}")
-    out(f"{'op':<30} {'shape':<32} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8}")
+    out(f"{'op':<36} {'shape':<26} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8}")
     data = Data(queue)
     ops = {}
     for bench in benches(a.small):

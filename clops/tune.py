@@ -583,6 +583,10 @@ def main(argv=None, queue=None):
                               restrict=not a.no_restrictions, sample=a.sample, seed=a.seed, budget_s=a.budget_s,
                               fresh=a.fresh)
     except KeyboardInterrupt:
+        if Path(path).exists():
+            with open(path) as f:
+                done = json.load(f)
+            print(table(done["header"], done["results"], a.top))
         print(f"\ninterrupted: the results so far are in {path}; run the same command again to resume")
         return 130
     except ValueError as e:
