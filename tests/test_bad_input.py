@@ -1,0 +1,252 @@
+"""Invalid input to every public op: refused with a TypeError or ValueError naming the argument,
+before anything is enqueued, and given output arrays keep their bytes.
+
+One table: each row is (op, what is wrong, the argument the error must name, the call). The
+generic rows come from mutating one array argument of a valid call at a time; the op-specific
+rows (head dims, windows, GQA groups, scalars, template parameters beyond the device) follow.
+"""
+import dataclasses
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+import pytest
+
+import clops
+import clops.program
+from clops import tuning
+
+SENTINEL = 7.25
+
+
+@dataclasses.dataclass
+class Spec:
+    fn: object
+    ins: dict  # positional array arguments in order: name -> shape
+    outs: dict  # keyword arrays (outputs, and swiglu_limit's row_weight): name -> shape
+    kw: dict = dataclasses.field(default_factory=dict)
+    lead: tuple = ()  # arguments whose shape sets the others' (a changed shape is no error of theirs)
+    any_rank: tuple = ()  # arguments of any rank
+
+
+R, W = 3, 8  # elementwise [rows, width]
+N, D = 4, 8  # norm [n, d]
+QN, QH, QD, QW = 4, 2, 8, 2  # qk_norm_rope [n, heads, hd], rope window; rotary half 2
+AW, AN, NH, NKV, HD = 4, 8, 4, 2, 8  # attention window, tokens, heads, kv heads, head dim
+
+_ew = {"a": (R, W), "b": (R, W)}
+_ew_bwd = {"a": (R, W), "b": (R, W), "dc": (R, W)}
+_ew_outs = {"da": (R, W), "db": (R, W)}
+SPECS = {
+    "swiglu": Spec(clops.swiglu, _ew, {"out": (R, W)}, lead=("a",), any_rank=("a",)),
+    "swiglu_bwd": Spec(clops.swiglu_bwd, _ew_bwd, _ew_outs, lead=("a",), any_rank=("a",)),
+    "swiglu_limit": Spec(clops.swiglu_limit, _ew, {"out": (R, W), "row_weight": (R,)}, {"limit": 1.5},
+                         lead=("a",)),
+    "swiglu_gated": Spec(clops.swiglu_gated, dict(_ew, gate=(W,)), {"out": (R, W)}, lead=("a",),
+                         any_rank=("a",)),
+    "swiglu_gated_bwd": Spec(clops.swiglu_gated_bwd, dict(_ew, gate=(W,), dc=(R, W)), _ew_outs, lead=("a",),
+                             any_rank=("a",)),
+    "sigmoid_gate": Spec(clops.sigmoid_gate, _ew, {"out": (R, W)}, lead=("a",), any_rank=("a",)),
+    "sigmoid_gate_bwd": Spec(clops.sigmoid_gate_bwd, _ew_bwd, _ew_outs, lead=("a",), any_rank=("a",)),
+    "add": Spec(clops.add, _ew, {"out": (R, W)}, lead=("a",), any_rank=("a",)),
+    "rms_norm": Spec(clops.rms_norm, {"x": (N, D), "w": (D,)}, {"out": (N, D), "inv": (N,)}, lead=("x",)),
+    "rms_norm_bwd": Spec(clops.rms_norm_bwd, {"x": (N, D), "w": (D,), "inv": (N,), "dy": (N, D)}, {"dx": (N, D)},
+                         lead=("x",)),
+    "rms_norm_dw": Spec(clops.rms_norm_dw, {"x": (N, D), "inv": (N,), "dy": (N, D)}, {"dw": (D,)}, lead=("x",)),
+    "qk_norm_rope": Spec(clops.qk_norm_rope, {"x": (QN, QH, QD), "w": (QD,), "rope": (QW, 2, 2)},
+                         {"out": (QN, QH, QD), "inv": (QN, QH)}, lead=("x",)),
+    "qk_norm_rope_bwd": Spec(clops.qk_norm_rope_bwd, {"x": (QN, QH, QD), "w": (QD,), "inv": (QN, QH),
+                                                      "rope": (QW, 2, 2), "dy": (QN, QH, QD)},
+                             {"dx": (QN, QH, QD), "dw": (QD,)}, lead=("x",)),
+    "attention": Spec(clops.attention, {"q": (AN, NH, HD), "k": (AN, NKV, HD), "v": (AN, NKV, HD)},
+                      {"out": (AN, NH, HD), "lse": (AN, NH)}, {"window": AW}, lead=("q",)),
+    "attention_bwd": Spec(clops.attention_bwd, {"q": (AN, NH, HD), "k": (AN, NKV, HD), "v": (AN, NKV, HD),
+                                                "o": (AN, NH, HD), "lse": (AN, NH), "do": (AN, NH, HD)},
+                          {"dq": (AN, NH, HD), "dk": (AN, NKV, HD), "dv": (AN, NKV, HD)}, {"window": AW},
+                          lead=("q",)),
+}
+def _array(queue, shape, seed=0):
+    return cla.to_device(queue, np.random.default_rng(seed).uniform(0.5, 1.0, shape).astype(np.float32))
+
+
+def _noncontiguous(queue, shape):
+    if len(shape) == 1:
+        return cla.zeros(queue, (2 * shape[0],), np.float32)[::2]
+    swapped = (shape[1], shape[0]) + tuple(shape[2:])
+    return cla.zeros(queue, swapped, np.float32).transpose((1, 0) + tuple(range(2, len(shape))))
+
+
+_OTHER = {}
+
+
+def _other_context(queue, shape):
+    """An array on a second context of the same device (held: Intel's runtime loses unreferenced contexts)."""
+    key = queue.device.int_ptr
+    if key not in _OTHER:
+        ctx = cl.Context([queue.device])
+        _OTHER[key] = (ctx, cl.CommandQueue(ctx))
+    return cla.zeros(_OTHER[key][1], shape, np.float32)
+
+
+# kind -> (exception, make(queue, shape) -> the bad argument)
+MUTATIONS = {
+    "float64": (TypeError, lambda queue, shape: cla.zeros(queue, shape, np.float64)),
+    "numpy array": (TypeError, lambda queue, shape: np.zeros(shape, np.float32)),
+    "extra dimension": (ValueError, lambda queue, shape: cla.zeros(queue, (1, *shape), np.float32)),
+    "wrong shape": (ValueError, lambda queue, shape: cla.zeros(queue, (*shape[:-1], shape[-1] + 1), np.float32)),
+    "non-contiguous": (ValueError, _noncontiguous),
+    "offset view": (ValueError, lambda queue, shape: cla.zeros(queue, (int(np.prod(shape)) + 1,), np.float32)[1:]
+                    .reshape(shape)),
+    "other context": (ValueError, _other_context),
+}
+
+
+def call(queue, op, replace=None, **kw):
+    """Run ``op`` on valid arrays (sentinel-filled outputs), ``replace`` swapping some; returns the outputs."""
+    spec = SPECS[op]
+    replace = replace or {}
+    args = [replace.get(name) if name in replace else _array(queue, shape, seed)
+            for seed, (name, shape) in enumerate(spec.ins.items())]
+    outs = {name: replace.get(name) if name in replace else cla.to_device(queue, np.full(shape, SENTINEL, np.float32))
+            for name, shape in spec.outs.items()}
+    spec.fn(queue, *args, **outs, **dict(spec.kw, **kw))
+    return outs
+
+
+def _generic_rows():
+    rows = []
+    for op, spec in SPECS.items():
+        for name, shape in {**spec.ins, **spec.outs}.items():
+            for kind, (exc, make) in MUTATIONS.items():
+                if kind == "extra dimension" and name in spec.any_rank:
+                    continue
+                if kind == "wrong shape" and name in spec.lead:
+                    continue
+                rows.append((op, kind, name, exc, lambda queue, make=make, name=name, shape=shape:
+                             {"replace": {name: make(queue, shape)}}))
+    return rows
+
+
+def _tokens(n):
+    return lambda queue: {"replace": {"k": cla.zeros(queue, (n, NKV, HD), np.float32)}}
+
+
+def _attn(nh, nkv, hd, n=AN, window=AW):
+    def make(queue):
+        shapes = {"q": (n, nh, hd), "k": (n, nkv, hd), "v": (n, nkv, hd), "o": (n, nh, hd), "lse": (n, nh),
+                  "do": (n, nh, hd), "out": (n, nh, hd), "dq": (n, nh, hd), "dk": (n, nkv, hd), "dv": (n, nkv, hd)}
+        return {"replace": {k: _array(queue, s) for k, s in shapes.items()}, "window": window}
+
+    return make
+
+
+def _qk(hd, rope=(QW, 2, 2), **kw):
+    def make(queue):
+        shapes = {"x": (QN, QH, hd), "w": (hd,), "dy": (QN, QH, hd), "out": (QN, QH, hd), "dx": (QN, QH, hd),
+                  "dw": (hd,), "rope": rope}
+        return dict({"replace": {k: _array(queue, s) for k, s in shapes.items()}}, **kw)
+
+    return make
+
+
+def _scalar(**kw):
+    return lambda queue: kw
+
+
+SPECIFIC = [
+    # (op, what, named, exception, make(queue) -> call kwargs)
+    *[(op, "head dim not a multiple of 8", "q", ValueError, _attn(NH, NKV, 12)) for op in ("attention", "attention_bwd")],
+    *[(op, "head dim above 256", "q", ValueError, _attn(NH, NKV, 264)) for op in ("attention", "attention_bwd")],
+    *[(op, "window not dividing the tokens", "window", ValueError, _attn(NH, NKV, HD, window=3))
+      for op in ("attention", "attention_bwd")],
+    *[(op, "window zero", "window", ValueError, _attn(NH, NKV, HD, window=0)) for op in ("attention", "attention_bwd")],
+    *[(op, "nh % nkv != 0", "k", ValueError, _attn(NH, 3, HD)) for op in ("attention", "attention_bwd")],
+    *[(op, "k of other tokens", "k", ValueError, _tokens(AN + AW)) for op in ("attention", "attention_bwd")],
+    *[(op, "scale infinite", "scale", ValueError, _scalar(scale=float("inf"))) for op in ("attention", "attention_bwd")],
+    *[(op, "head dim not a multiple of 4", "x", ValueError, _qk(6, rope=(QW, 1, 2)))
+      for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
+    *[(op, "rotary half above hd/2", "rope", ValueError, _qk(QD, rope=(QW, 5, 2)))
+      for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
+    *[(op, "rope not (cos, sin) pairs", "rope", ValueError, _qk(QD, rope=(QW, 2, 3)))
+      for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
+    *[(op, "window longer than the table", "rope", ValueError, _qk(QD, window=QW + 1))
+      for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
+    ("qk_norm_rope", "eps negative", "eps", ValueError, _scalar(eps=-1.0)),
+    ("rms_norm", "eps NaN", "eps", ValueError, _scalar(eps=float("nan"))),
+    ("rms_norm", "eps a string", "eps", TypeError, _scalar(eps="1e-6")),
+    ("swiglu_limit", "limit NaN", "limit", ValueError, _scalar(limit=float("nan"))),
+    ("swiglu_limit", "scale infinite", "scale", ValueError, _scalar(scale=float("inf"))),
+    ("swiglu", "queue not a queue", "queue", TypeError, None),
+]
+
+ROWS = _generic_rows() + SPECIFIC
+
+
+def _launches(monkeypatch):
+    seen = []
+    monkeypatch.setitem(clops.program.observers, "test_bad_input", lambda q, knl, size, evt: seen.append(knl.name))
+    return seen
+
+
+def _check_refused(queue, monkeypatch, op, named, exc, kwargs):
+    seen = _launches(monkeypatch)
+    replace = kwargs.pop("replace", {})
+    given = {n: replace.get(n) if n in replace else cla.to_device(queue, np.full(s, SENTINEL, np.float32))
+             for n, s in SPECS[op].outs.items()}
+    # The bytes of every given keyword array that can be read back whole.
+    before = {n: a.get().tobytes() for n, a in given.items()
+              if isinstance(a, cla.Array) and a.flags.c_contiguous and a.offset == 0}
+    with pytest.raises(exc) as info:
+        call(queue, op, dict(replace, **given), **kwargs)
+    assert named in str(info.value), f"{op}: {info.value!r} does not name {named!r}"
+    assert not seen, f"{op}: launched {seen} before refusing"
+    queue.finish()
+    changed = [n for n, b in before.items() if given[n].get().tobytes() != b]
+    assert not changed, f"{op}: given arrays {changed} were written"
+
+
+@pytest.mark.parametrize("op, what, named, exc, make", ROWS, ids=[f"{r[0]}-{r[2]}-{r[1]}" for r in ROWS])
+def test_bad_input_is_refused(queue, monkeypatch, op, what, named, exc, make):
+    if make is None:  # the queue itself is the bad argument
+        with pytest.raises(exc, match=named):
+            SPECS[op].fn("not a queue", *[_array(queue, s) for s in SPECS[op].ins.values()])
+        return
+    _check_refused(queue, monkeypatch, op, named, exc, make(queue))
+
+
+# Template parameters the device cannot hold, through clops.tuning.override: (op, tuning op, shape
+# class, parameters, the parameter the error must name).
+LIMITS = [
+    ("add", "elementwise", {}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "ept": 1}, "wg"),
+    ("rms_norm", "rms_norm", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1}, "wg"),
+    ("rms_norm_dw", "rms_norm_dw", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2}, "wg"),
+    ("qk_norm_rope", "qk_norm_rope", {"hd": QD},
+     lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "upg": 1, "rb": 1}, "wg"),
+    ("attention", "attention_fwd", {"hd": HD},
+     lambda dev: {"bq": 2 * dev.max_work_group_size, "rq": 1, "tx": 1, "bk": 8, "vw": 1, "dc": 8, "kc": 8},
+     "work-items"),
+    ("attention", "attention_fwd", {"hd": HD},
+     lambda dev: {"bq": 8, "rq": 1, "tx": 1, "bk": dev.local_mem_size // 32, "vw": 1, "dc": 8, "kc": 8},
+     "local memory"),
+    # (bq/sq)·(bk/sk) = (bq/tr)·(hd/td) = wg: 2 × the device's work-group limit
+    ("attention_bwd", "attention_bwd_dq", {"hd": HD},
+     lambda dev: {"wg": 2 * dev.max_work_group_size, "bq": dev.max_work_group_size // 4, "bk": 8, "sq": 1, "sk": 1,
+                  "dc": 8, "jc": 8, "tr": 1, "td": 1, "vw": 1}, "work-items"),
+]
+
+
+@pytest.mark.parametrize("op, tuned, shape_class, params, named", LIMITS, ids=[f"{r[1]}-{r[4]}" for r in LIMITS])
+def test_parameters_beyond_the_device_are_refused(queue, monkeypatch, op, tuned, shape_class, params, named):
+    tuning.override(tuned, shape_class, params(queue.device), device=queue.device)
+    try:
+        _check_refused(queue, monkeypatch, op, named, ValueError, {})
+    finally:
+        tuning.override(tuned, shape_class, None, device=queue.device)
+
+
+@pytest.mark.parametrize("op", sorted(SPECS))
+def test_valid_call_runs(queue, op):
+    """The table's valid calls are valid: every refusal above comes from the one bad argument."""
+    outs = call(queue, op)
+    queue.finish()
+    assert all(np.isfinite(a.get()).all() for a in outs.values())
