@@ -1,0 +1,47 @@
+"""Every template builds as OpenCL C 1.2 without a warning on every device.
+
+The oclgrind tour (tests/test_oclgrind.py: every kernel of every family at tile sets of
+vector widths 1 and 4, and the device's default) runs here on the device under test with
+the binary cache off, so every program is compiled from source and its build log read;
+then once more as checked builds (CLOPS_CHECKED=1), which carry the guards.
+"""
+import pytest
+
+import clops.program
+from clops import tuning
+from test_oclgrind import FAMILIES
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["plain", "checked"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_templates_build_without_warnings(queue, monkeypatch, family, checked):
+    monkeypatch.setenv("CLOPS_NO_CACHE", "1")
+    monkeypatch.setenv("CLOPS_CHECKED", "1" if checked else "0")
+    monkeypatch.setattr(tuning, "_overrides", {})  # the tour's tile overrides end with the test
+    logs = {}
+    real = clops.program.build_warnings
+
+    def record(prg, dev):
+        text = real(prg, dev)
+        logs[len(logs)] = text
+        return text
+
+    monkeypatch.setattr(clops.program, "build_warnings", record)
+    run, templates = FAMILIES[family]
+    run(queue)
+    assert logs, f"{family}: nothing was built (a cached program would hide its build log)"
+    warned = [text for text in logs.values() if text]
+    assert not warned, "\n\n".join(warned)
+
+
+def test_a_planted_warning_is_seen(queue):
+    """The build log is read on this device: a source with a warning is caught."""
+    import warnings
+
+    import pyopencl as cl
+
+    source = "#warning planted\n__kernel void f(__global float *a) { a[0] = 1.0f; }"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        prg = cl.Program(cl._cl._Program(queue.context, source)).build(options=list(clops.program.BUILD_OPTIONS))
+    assert "planted" in clops.program.build_warnings(prg, queue.device)
