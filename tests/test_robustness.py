@@ -1,0 +1,231 @@
+"""Numerical robustness: RMSNorm rows of zeros and of large magnitude, attention logits of
+magnitude 1e3 and 1e4, and a NaN that stays in the outputs depending on its row and does
+not spread to the others."""
+import numpy as np
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import reference as ref
+from clops.reference import rel_err, rnd
+
+
+def _dev(queue, *arrays):
+    return [cla.to_device(queue, a) for a in arrays]
+
+
+def _get(*arrays):
+    return [a.get() for a in arrays]
+
+
+# ---- RMSNorm extremes ----
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_rows_of_zeros(queue, gemma):
+    n, d = 9, 96
+    x, w, dy = rnd((n, d), 1, 2.0), rnd(d, 2, 0.5), rnd((n, d), 3, 1.0)
+    x[[0, 4, 8]] = 0.0
+    x_, w_, dy_ = _dev(queue, x, w, dy)
+    y, inv = _get(*clops.rms_norm(queue, x_, w_, gemma=gemma))
+    assert np.all(y[[0, 4, 8]] == 0.0)
+    assert np.allclose(inv[[0, 4, 8]], 1.0 / np.sqrt(np.float32(1e-6)), rtol=1e-6)
+    wy, winv = ref.rms_norm(x, w, gemma=gemma)
+    assert rel_err(y, wy) <= 1e-6 and rel_err(inv, winv) <= 1e-6
+    inv_ = cla.to_device(queue, inv)
+    dx = clops.rms_norm_bwd(queue, x_, w_, inv_, dy_, gemma=gemma).get()
+    dw = clops.rms_norm_dw(queue, x_, inv_, dy_).get()
+    assert np.isfinite(dx).all() and np.isfinite(dw).all()
+    assert rel_err(dx, ref.rms_norm_bwd(x, w, winv, dy, gemma=gemma)) <= 1e-5
+    assert rel_err(dw, ref.rms_norm_dw(x, winv, dy)) <= 1e-5
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e-4])
+def test_rms_norm_large_and_small_rows(queue, magnitude):
+    n, d = 7, 160
+    x, w, dy = rnd((n, d), 4, magnitude), rnd(d, 5, 0.5), rnd((n, d), 6, 1.0)
+    x_, w_, dy_ = _dev(queue, x, w, dy)
+    y, inv = clops.rms_norm(queue, x_, w_, eps=0.0 if magnitude < 1 else 1e-6)
+    wy, winv = ref.rms_norm(x, w, eps=0.0 if magnitude < 1 else 1e-6)
+    assert rel_err(y.get(), wy) <= 1e-6 and rel_err(inv.get(), winv) <= 1e-6
+    assert rel_err(clops.rms_norm_bwd(queue, x_, w_, inv, dy_).get(), ref.rms_norm_bwd(x, w, winv, dy)) <= 1e-5
+    assert rel_err(clops.rms_norm_dw(queue, x_, inv, dy_).get(), ref.rms_norm_dw(x, winv, dy)) <= 1e-5
+
+
+def test_qk_norm_rope_units_of_zeros(queue):
+    n, heads, hd, half = 6, 3, 64, 16
+    x, w, dy = rnd((n, heads, hd), 7, 2.0), rnd(hd, 8, 0.5), rnd((n, heads, hd), 9, 1.0)
+    x[2, 1] = 0.0
+    table = ref.rope_table(n, half)
+    x_, w_, dy_, rope_ = _dev(queue, x, w, dy, table)
+    y, inv = clops.qk_norm_rope(queue, x_, w_, rope_)
+    assert np.all(y.get()[2, 1] == 0.0) and np.isfinite(inv.get()).all()
+    dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
+    wdx, wdw = ref.qk_norm_rope_bwd(x, w, ref.qk_norm_rope(x, w, table)[1], table, dy)
+    assert rel_err(dx.get(), wdx) <= 1e-5 and rel_err(dw.get(), wdw) <= 1e-5
+
+
+# ---- attention with large logits ----
+
+@pytest.mark.parametrize("logit", [1e3, 1e4])
+def test_attention_large_logits(queue, logit):
+    windows, window, nh, nkv, hd = 2, 33, 4, 2, 32
+    n = windows * window
+    # Scores q·k·scale of standard deviation ≈ logit (uniform entries of variance amp²/3): a softmax
+    # close to one-hot, far outside exp's range without the running max.
+    amp = np.sqrt(3.0 * logit)
+    q, k, v, do = rnd((n, nh, hd), 10, amp), rnd((n, nkv, hd), 11, amp), rnd((n, nkv, hd), 12), rnd((n, nh, hd), 13)
+    q_, k_, v_, do_ = _dev(queue, q, k, v, do)
+    o, lse = clops.attention(queue, q_, k_, v_, window=window)
+    wo, wlse = ref.attention(q, k, v, window=window)
+    assert np.abs(wlse).max() > logit
+    assert np.isfinite(o.get()).all() and np.isfinite(lse.get()).all()
+    assert rel_err(o.get(), wo) <= 1e-5 and rel_err(lse.get(), wlse) <= 1e-6
+    dq, dk, dv = [g.get() for g in clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=window)]
+    with np.errstate(over="ignore"):  # exp of the masked scores, discarded by the reference
+        wdq, wdk, wdv = ref.attention_bwd(q, k, v, wo, wlse, do, window=window)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    # A float32 score s carries a rounding error of about |s|·2⁻²⁴·√hd, which exp turns into a
+    # relative error of the weights P = exp(s − lse): the backward's tolerance grows with the logit.
+    tol = 2e-7 * logit
+    assert rel_err(dv, wdv) <= tol
+    # dS = P·(dP − D) cancels to about 0 when P is one-hot, so dQ and dK are tiny and their
+    # relative error means nothing; their error is bounded by the scale of their terms instead.
+    natural = amp / np.sqrt(hd) * np.abs(do).max() * np.abs(v).max()
+    for name, got, want in (("dq", dq, wdq), ("dk", dk, wdk)):
+        assert np.abs(got - want).max() <= tol * natural, name
+
+
+# ---- a NaN stays where it belongs ----
+
+def _nan_exactly(got, where, what):
+    """``got`` is NaN exactly where the boolean mask ``where`` is set."""
+    bad = np.isnan(got) != where
+    assert not bad.any(), f"{what}: NaN pattern differs at {np.argwhere(bad)[:5].tolist()}"
+
+
+def test_elementwise_nan_stays_in_its_element(queue):
+    rows, width = 5, 67
+    a, b, dc = rnd((rows, width), 14, 3.0), rnd((rows, width), 15, 2.0) + 3.0, rnd((rows, width), 16) + 2.0
+    gate, rw = rnd(width, 17) + 2.0, rnd(rows, 18) + 2.0
+    a[2, 30] = np.nan
+    only = np.zeros((rows, width), bool)
+    only[2, 30] = True
+    a_, b_, dc_, g_, rw_ = _dev(queue, a, b, dc, gate, rw)
+    outs = {
+        "swiglu": [clops.swiglu(queue, a_, b_)],
+        "swiglu_bwd": clops.swiglu_bwd(queue, a_, b_, dc_),
+        "swiglu_limit": [clops.swiglu_limit(queue, a_, b_, limit=0.0, scale=0.5, row_weight=rw_)],
+        "swiglu_gated": [clops.swiglu_gated(queue, a_, b_, g_)],
+        "swiglu_gated_bwd": clops.swiglu_gated_bwd(queue, a_, b_, g_, dc_),
+        "sigmoid_gate": [clops.sigmoid_gate(queue, a_, b_)],
+        "sigmoid_gate_bwd": clops.sigmoid_gate_bwd(queue, a_, b_, dc_),
+        "add": [clops.add(queue, a_, b_)],
+    }
+    none = np.zeros_like(only)
+    for op, arrays in outs.items():
+        # Every output depends on a, except sigmoid_gate_bwd's da = dc·σ(b).
+        for got, where in zip(arrays, (none, only) if op == "sigmoid_gate_bwd" else (only, only)):
+            _nan_exactly(got.get(), where, op)
+    # A NaN gate column, a NaN row weight: that column, that row.
+    gate[11], rw[3] = np.nan, np.nan
+    g_, rw_ = _dev(queue, gate, rw)
+    col, row = np.zeros((rows, width), bool), np.zeros((rows, width), bool)
+    col[:, 11], row[3] = True, True
+    b_clean = cla.to_device(queue, b)
+    a_clean = cla.to_device(queue, rnd((rows, width), 14, 3.0))
+    _nan_exactly(clops.swiglu_gated(queue, a_clean, b_clean, g_).get(), col, "swiglu_gated gate")
+    _nan_exactly(clops.swiglu_limit(queue, a_clean, b_clean, limit=0.0, row_weight=rw_).get(), row,
+                 "swiglu_limit row_weight")
+
+
+def test_norm_nan_stays_in_its_row(queue):
+    n, d = 8, 48
+    x, w, dy = rnd((n, d), 19, 2.0), rnd(d, 20, 0.5), rnd((n, d), 21)
+    x[5, 17] = np.nan
+    rows = np.zeros((n, d), bool)
+    rows[5] = True
+    x_, w_, dy_ = _dev(queue, x, w, dy)
+    y, inv = clops.rms_norm(queue, x_, w_)
+    _nan_exactly(y.get(), rows, "rms_norm y")
+    _nan_exactly(inv.get(), rows[:, 0], "rms_norm inv")
+    _nan_exactly(clops.rms_norm_bwd(queue, x_, w_, inv, dy_).get(), rows, "rms_norm_bwd")
+    assert np.isnan(clops.rms_norm_dw(queue, x_, inv, dy_).get()).all()  # a sum over every row
+
+
+def test_qk_norm_rope_nan_stays_in_its_unit(queue):
+    n, heads, hd, half = 6, 3, 32, 8
+    x, w, dy = rnd((n, heads, hd), 22, 2.0), rnd(hd, 23, 0.5), rnd((n, heads, hd), 24)
+    x[4, 2, 3] = np.nan
+    unit = np.zeros((n, heads, hd), bool)
+    unit[4, 2] = True
+    x_, w_, dy_, rope_ = _dev(queue, x, w, dy, ref.rope_table(3, half))
+    y, inv = clops.qk_norm_rope(queue, x_, w_, rope_)
+    _nan_exactly(y.get(), unit, "qk_norm_rope y")
+    _nan_exactly(inv.get(), unit[..., 0], "qk_norm_rope inv")
+    dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
+    _nan_exactly(dx.get(), unit, "qk_norm_rope_bwd dx")
+    assert np.isnan(dw.get()).all()
+
+
+WINDOWS, WINDOW, NH, NKV, HD = 3, 21, 4, 2, 16
+
+
+def _attention(queue, q, k, v, do):
+    q_, k_, v_, do_ = _dev(queue, q, k, v, do)
+    o, lse = clops.attention(queue, q_, k_, v_, window=WINDOW)
+    dq, dk, dv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW)
+    return {name: a.get() for name, a in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))}
+
+
+def _inputs():
+    n = WINDOWS * WINDOW
+    return rnd((n, NH, HD), 25), rnd((n, NKV, HD), 26), rnd((n, NKV, HD), 27), rnd((n, NH, HD), 28)
+
+
+def test_attention_nan_in_a_query_row(queue):
+    q, k, v, do = _inputs()
+    row = WINDOW + 7  # window 1, head 3 (kv head 1)
+    q[row, 3, 5] = np.nan
+    got = _attention(queue, q, k, v, do)
+    mask = np.zeros((WINDOWS * WINDOW, NH), bool)
+    mask[row, 3] = True
+    _nan_exactly(got["o"], np.repeat(mask[..., None], HD, -1), "o")
+    _nan_exactly(got["lse"], mask, "lse")
+    _nan_exactly(got["dq"], np.repeat(mask[..., None], HD, -1), "dq")
+    # dV of the keys the row sees (its window and kv head, keys ≤ row) hold the NaN, no others.
+    seen = np.zeros((WINDOWS * WINDOW, NKV, HD), bool)
+    seen[WINDOW:row + 1, 1] = True
+    _nan_exactly(got["dv"], seen, "dv")
+    # dK: those keys, and at most the rest of the window's keys of that kv head (the masked
+    # scores' zero gradients meet the NaN row in dS·Q); never another window or kv head.
+    window_group = np.zeros_like(seen)
+    window_group[WINDOW:2 * WINDOW, 1] = True
+    dk_nan = np.isnan(got["dk"])
+    assert dk_nan[seen].all() and not dk_nan[~window_group].any()
+
+
+def test_attention_nan_in_a_key_row(queue):
+    q, k, v, do = _inputs()
+    key = 2 * WINDOW + 9  # window 2, kv head 0 (query heads 0, 1)
+    k[key, 0, 2] = np.nan
+    got = _attention(queue, q, k, v, do)
+    n = WINDOWS * WINDOW
+    other_windows = np.ones(n, bool)
+    other_windows[2 * WINDOW:] = False
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        assert np.isfinite(got[name][other_windows]).all(), f"{name}: the NaN reached another window"
+    # Forward: the query rows from the key on, in the key's group (heads 0, 1), see it; the
+    # rows before it do not.
+    sees = np.zeros((n, NH), bool)
+    sees[key:, :2] = True
+    _nan_exactly(got["o"], np.repeat(sees[..., None], HD, -1), "o")
+    _nan_exactly(got["lse"], sees, "lse")
+    # Backward: dQ of those rows, dK and dV of the window's keys of kv head 0, hold the NaN;
+    # at most the rest of the window's rows of the group too, never another window or group.
+    group = np.zeros((n, NH), bool)
+    group[2 * WINDOW:, :2] = True
+    assert np.isnan(got["dq"][sees]).all() and not np.isnan(got["dq"][~group]).any()
+    kv = np.zeros((n, NKV), bool)
+    kv[2 * WINDOW:, 0] = True
+    for name in ("dk", "dv"):
+        assert np.isnan(got[name][kv]).all() and not np.isnan(got[name][~kv]).any(), name
