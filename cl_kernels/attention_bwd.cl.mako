@@ -70,39 +70,67 @@
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec_t;
 typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
+typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time, read TR at a time
+
+## Registers f{tag}{m}_{it}: this work-item's share of `rows` × `width` vectors of each
+## source (pointer, row expression of `pos`), from row position pos0 and column vector col0;
+## rows at or past T read as zeros. `put` stores them to local memory (row stride `stride`).
+<%def name="declare(tag, rows, width, nsrc)">
+% for it in range(-(-rows * width // wg)):
+%   for m in range(nsrc):
+        vec_t f${tag}${m}_${it} = (vec_t)(0.0f);
+%   endfor
+% endfor
+</%def>
+<%def name="fetch(tag, rows, width, srcs, pos0, col0)">
+% for it in range(-(-rows * width // wg)):
+        {
+            const uint e = lid + ${it * wg}, pos = ${pos0} + e / ${width};
+%   for m, (src, rowexpr) in enumerate(srcs):
+            f${tag}${m}_${it} = pos < T ? ${src}[(${rowexpr}) * HDV + ${col0} + e % ${width}] : (vec_t)(0.0f);
+%   endfor
+        }
+% endfor
+</%def>
+<%def name="put(tag, rows, width, dsts, stride)">
+% for it in range(-(-rows * width // wg)):
+%   if (it + 1) * wg > rows * width:
+        if (lid + ${it * wg} < ${rows * width})
+%   endif
+        {
+            const uint e = lid + ${it * wg};
+%   for m, dst in enumerate(dsts):
+            ${dst}[(e / ${width}) * ${stride} + e % ${width}] = f${tag}${m}_${it};
+%   endfor
+        }
+% endfor
+</%def>
 
 ## Step 1 for query rows q0.. and keys k0..: s{i}_{j}, dp{i}_{j} in registers,
 ## then P and dS written to local memory at `pidx(q, k)`; `pcoef` is skipped in dq.
+## Each chunk is fetched into registers one step ahead, while the previous one is used.
 <%def name="scores(pcoef, dscoef, pidx, mask)">
+<%
+    qsrc = [("q", "(idx_t)(tok0 + pos) * nh + h"), ("dO", "(idx_t)(tok0 + pos) * nh + h")]
+    ksrc = [("k", "(idx_t)(tok0 + pos) * nkv + g"), ("v", "(idx_t)(tok0 + pos) * nkv + g")]
+%>
 % for i in range(sq):
 %   for j in range(sk):
         float s${i}_${j} = 0.0f, dp${i}_${j} = 0.0f;
 %   endfor
 % endfor
+        ${declare("a", bq, dc // vw, 2)}
+        ${declare("b", bk, dc // vw, 2)}
+        ${fetch("a", bq, dc // vw, qsrc, "q0", "0")}
+        ${fetch("b", bk, dc // vw, ksrc, "k0", "0")}
         for (uint d0 = 0; d0 < HDV; d0 += DCV) {
-            for (uint e = lid; e < BQ * DCV; e += WG) {
-                const uint r = e / DCV, c = e % DCV;
-                vec_t a = (vec_t)(0.0f), b = (vec_t)(0.0f);
-                if (q0 + r < T) {
-                    const idx_t at = ((idx_t)(tok0 + q0 + r) * nh + h) * HDV + d0 + c;
-                    a = q[at];
-                    b = dO[at];
-                }
-                sq_[r * DCP + c] = a;
-                sdo[r * DCP + c] = b;
-            }
-            for (uint e = lid; e < BK * DCV; e += WG) {
-                const uint r = e / DCV, c = e % DCV;
-                vec_t a = (vec_t)(0.0f), b = (vec_t)(0.0f);
-                if (k0 + r < T) {
-                    const idx_t at = ((idx_t)(tok0 + k0 + r) * nkv + g) * HDV + d0 + c;
-                    a = k[at];
-                    b = v[at];
-                }
-                sk_[r * DCP + c] = a;
-                sv_[r * DCP + c] = b;
-            }
+            ${put("a", bq, dc // vw, ["sq_", "sdo"], "DCP")}
+            ${put("b", bk, dc // vw, ["sk_", "sv_"], "DCP")}
             barrier(CLK_LOCAL_MEM_FENCE);
+            if (d0 + DCV < HDV) {
+                ${fetch("a", bq, dc // vw, qsrc, "q0", "d0 + DCV")}
+                ${fetch("b", bk, dc // vw, ksrc, "k0", "d0 + DCV")}
+            }
             for (uint c = 0; c < DCV; ++c) {
                 // the SK key vectors stay in registers while the SQ query rows stream by
 % for j in range(sk):
@@ -130,13 +158,14 @@ typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
 %   for j in range(sk):
             {
                 const uint kj = k0 + tk + ${j * (bk // sk)};
+                const uint at = ${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))};
                 float p = exp2(s${i}_${j} * c2 - l2);
                 if (${mask} && (kj > qi || qi >= T))
                     p = 0.0f;
 %     if pcoef:
-                ((__local float *)${pcoef})[${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))}] = p;
+                ${pcoef}[at / TR].s[at % TR] = p;
 %     endif
-                ((__local float *)${dscoef})[${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))}] = p * (dp${i}_${j} - dd) * scale;
+                ${dscoef}[at / TR].s[at % TR] = p * (dp${i}_${j} - dd) * scale;
             }
 %   endfor
         }
@@ -144,23 +173,21 @@ typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
 </%def>
 
 ## Step 2: acc{m}_{i}_{jj} += coef_m[row j][tr·TR + i] · X_m[row j][column vector tc + jj·NC2]
-## for staged rows j0.. of `srcs` (global row index expressions of position `pos`).
+## for rows jlo.. < jhi (from position pos0) of `srcs`, staged JC rows at a time, fetched one step ahead.
 <%def name="accumulate(coefs, srcs, jlo, jhi, pos0)">
-        for (uint j0 = ${jlo}; j0 < ${jhi}; j0 += JC) {
-            for (uint e = lid; e < JC * HDV; e += WG) {
-                const uint r = e / HDV, c = e % HDV;
-                const uint pos = ${pos0} + j0 + r;
-% for m, (src, rowexpr) in enumerate(srcs):
-                vec_t x${m} = (vec_t)(0.0f);
-                if (pos < T)
-                    x${m} = ${src}[(${rowexpr}) * HDV + c];
-                sx[${m * jc} * HDV + e] = x${m};
-% endfor
-            }
+        {
+        const uint jlo = ${jlo}, jhi = ${jhi};
+        ${declare("x", jc, hd // vw, len(srcs))}
+        ${fetch("x", jc, hd // vw, srcs, pos0 + " + jlo", "0")}
+        for (uint j0 = jlo; j0 < jhi; j0 += JC) {
+            ${put("x", jc, hd // vw, ["(sx + %d * HDV)" % (m * jc) for m in range(len(srcs))], "HDV")}
             barrier(CLK_LOCAL_MEM_FENCE);
+            if (j0 + JC < jhi) {
+                ${fetch("x", jc, hd // vw, srcs, pos0 + " + j0 + JC", "0")}
+            }
             for (uint j = 0; j < JC; ++j) {
 % for m, coef in enumerate(coefs):
-                const cvec_t c${m} = ${coef}[(j0 + j) * (CROW / TR) + tr];
+                const cvec_t c${m} = ${coef}[(j0 + j) * (CROW / TR) + tr].v;
 % endfor
 % for jj in range(tdv):
 %   for m in range(len(coefs)):
@@ -174,6 +201,7 @@ typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
 % endfor
             }
             barrier(CLK_LOCAL_MEM_FENCE);
+        }
         }
 </%def>
 
@@ -232,7 +260,7 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
                   __global vec_t *restrict dk, __global vec_t *restrict dv,
                   const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale)
 {
-    __local cvec_t cp[BQ * BK / TR], cds[BQ * BK / TR];
+    __local coef_t cp[BQ * BK / TR], cds[BQ * BK / TR];
     ${prologue()}
     const uint gid = get_group_id(0), per = nwin * nkv;
     const uint k0 = (gid / per) * BK, w = (gid % per) / nkv, g = (gid % per) % nkv;
@@ -257,7 +285,7 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
                  __global vec_t *restrict dq,
                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale)
 {
-    __local cvec_t cds[BQ * BK / TR];
+    __local coef_t cds[BQ * BK / TR];
     ${prologue()}
     const uint gid = get_group_id(0), per = nwin * nh;
     const uint q0 = ((T - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;

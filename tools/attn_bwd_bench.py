@@ -9,7 +9,7 @@ variants, and forward + backward when the forward is timed too.
 
     python3 tools/attn_bwd_bench.py [--variants FILE.json] [--shapes qwen-hd256,...] [--json OUT.json] [--ptxas]
 
-FILE.json: {"dkv": {"256": [params, ...], ...}, "dq": {...}} keyed by head dim.
+FILE.json (e.g. tools/attn_bwd_variants.json): {"dkv": {"256": [params, ...], ...}, "dq": {...}} keyed by head dim.
 --ptxas also builds each variant with -cl-nv-verbose and prints its register use (NVIDIA only).
 """
 import argparse
