@@ -1,13 +1,15 @@
 """Checked builds (CLOPS_CHECKED=1): guarded global accesses, raised on the host."""
 import re
+import warnings
 
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 import pytest
 
 import clops
 from clops.check import all_cases
-from clops.program import OutOfBoundsError, kernels, render
+from clops.program import BuildError, Kernel, OutOfBoundsError, kernels, render
 
 PARAMS = {"wg": 16, "vw": 4, "ept": 2, "idx": "uint"}
 
@@ -66,6 +68,17 @@ def test_checked_op_on_valid_input_matches_unchecked(queue, monkeypatch):
     monkeypatch.setenv("CLOPS_CHECKED", "1")
     got = clops.swiglu(queue, a, b).get()
     assert np.array_equal(got, want)
+
+
+def test_checked_args_out_of_order_fail(queue):
+    """A kernel whose size arguments do not follow its buffers' order is refused when loaded."""
+    src = ("__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void f(__global float *a, __global float *b,"
+           " __global uint *clops_err, const ulong b_bytes, const ulong a_bytes) { a[0] = b[0]; }")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cl.CompilerWarning)  # Intel's runtime logs its progress
+        prg = cl.Program(cl._cl._Program(queue.context, src)).build(options=["-cl-std=CL1.2", "-cl-kernel-arg-info"])
+    with pytest.raises(BuildError, match=r"checked_args must name its buffers \['a', 'b'\] in order"):
+        Kernel(prg.f, "planted.cl.mako", {"checked": True}, queue.device)
 
 
 CASES = all_cases()
