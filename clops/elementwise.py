@@ -45,20 +45,30 @@ def _same_shape(queue, first, **named):
     return a0.shape
 
 
-def swiglu(queue, a, b, *, out=None, wait_for=None, allocator=None):
-    """``c = silu(a)·b``."""
+def _binary(queue, kernel, a, b, out, wait_for, allocator):
+    """``out = f(a, b)`` for a kernel of two same-shaped inputs."""
     check_queue(queue)
     shape = _same_shape(queue, ("a", a), b=b)
     out = output("out", out, queue, shape, allocator)
-    return _launch(queue, "swiglu_fwd", [out], [a, b], a.size, wait_for=wait_for)[0]
+    return _launch(queue, kernel, [out], [a, b], a.size, wait_for=wait_for)[0]
+
+
+def _binary_bwd(queue, kernel, a, b, dc, da, db, wait_for, allocator):
+    """``(da, db)`` of a two-input op given ``dc``."""
+    check_queue(queue)
+    shape = _same_shape(queue, ("a", a), b=b, dc=dc)
+    da, db = output("da", da, queue, shape, allocator), output("db", db, queue, shape, allocator)
+    return tuple(_launch(queue, kernel, [da, db], [a, b, dc], a.size, wait_for=wait_for))
+
+
+def swiglu(queue, a, b, *, out=None, wait_for=None, allocator=None):
+    """``c = silu(a)·b``."""
+    return _binary(queue, "swiglu_fwd", a, b, out, wait_for, allocator)
 
 
 def swiglu_bwd(queue, a, b, dc, *, da=None, db=None, wait_for=None, allocator=None):
     """``(da, db)`` of ``c = silu(a)·b`` given ``dc``."""
-    check_queue(queue)
-    shape = _same_shape(queue, ("a", a), b=b, dc=dc)
-    da, db = output("da", da, queue, shape, allocator), output("db", db, queue, shape, allocator)
-    return tuple(_launch(queue, "swiglu_bwd", [da, db], [a, b, dc], a.size, wait_for=wait_for))
+    return _binary_bwd(queue, "swiglu_bwd", a, b, dc, da, db, wait_for, allocator)
 
 
 def swiglu_limit(queue, a, b, *, limit, scale=1.0, row_weight=None, out=None, wait_for=None, allocator=None):
@@ -104,23 +114,14 @@ def swiglu_gated_bwd(queue, a, b, gate, dc, *, da=None, db=None, wait_for=None, 
 
 def sigmoid_gate(queue, a, b, *, out=None, wait_for=None, allocator=None):
     """``c = a·σ(b)``."""
-    check_queue(queue)
-    shape = _same_shape(queue, ("a", a), b=b)
-    out = output("out", out, queue, shape, allocator)
-    return _launch(queue, "sigmoid_gate_fwd", [out], [a, b], a.size, wait_for=wait_for)[0]
+    return _binary(queue, "sigmoid_gate_fwd", a, b, out, wait_for, allocator)
 
 
 def sigmoid_gate_bwd(queue, a, b, dc, *, da=None, db=None, wait_for=None, allocator=None):
     """``(da, db)`` of ``c = a·σ(b)`` given ``dc``."""
-    check_queue(queue)
-    shape = _same_shape(queue, ("a", a), b=b, dc=dc)
-    da, db = output("da", da, queue, shape, allocator), output("db", db, queue, shape, allocator)
-    return tuple(_launch(queue, "sigmoid_gate_bwd", [da, db], [a, b, dc], a.size, wait_for=wait_for))
+    return _binary_bwd(queue, "sigmoid_gate_bwd", a, b, dc, da, db, wait_for, allocator)
 
 
 def add(queue, a, b, *, out=None, wait_for=None, allocator=None):
     """``c = a + b``."""
-    check_queue(queue)
-    shape = _same_shape(queue, ("a", a), b=b)
-    out = output("out", out, queue, shape, allocator)
-    return _launch(queue, "add", [out], [a, b], a.size, wait_for=wait_for)[0]
+    return _binary(queue, "add", a, b, out, wait_for, allocator)
