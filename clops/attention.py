@@ -69,16 +69,17 @@ def _scale(scale, hd):
 
 
 def fwd_heuristic(dev, hd):
-    """Forward tiles from the device's limits: a 4-row × (bk/tx)-key score tile per work-item."""
-    gpu = bool(dev.type & cl.device_type.GPU)
-    if not gpu:
+    """Forward tiles from the device's limits (the shapes that measured best on an H200, by head dim)."""
+    if not dev.type & cl.device_type.GPU:
         return {"bq": 16, "rq": 4, "tx": 4, "bk": 16, "vw": 4, "dc": 32, "kc": 16}
-    tx = 16 if hd > 128 else 8
-    p = {"bq": 64, "rq": 4, "tx": tx, "bk": 64, "vw": 4, "dc": 32, "kc": 16}
-    while _fwd_local_bytes(hd, p) > dev.local_mem_size and p["kc"] > 4:
-        p["kc"] //= 2
-    if _fwd_wg(p) > dev.max_work_group_size:
-        p = dict(p, bq=p["bq"] // 2, bk=p["bk"] // 2)
+    small = hd <= 64
+    p = {"bq": 64, "rq": 8 if 64 < hd <= 128 else 4, "tx": 8 if small else 16, "bk": 32 if small else 64,
+         "vw": 4, "dc": hd if small else 32, "kc": 32 if small else 16}
+    while _fwd_local_bytes(hd, p) > dev.local_mem_size and p["bk"] > p["tx"]:
+        p["bk"] //= 2
+        p["kc"] = min(p["kc"], p["bk"])
+    while _fwd_wg(p) > dev.max_work_group_size and p["bq"] > p["rq"]:
+        p["bq"] //= 2
     return p
 
 
@@ -101,7 +102,11 @@ def _fwd_local_bytes(hd, p):
 
 def fwd_params(dev, hd):
     """Checked forward parameters for ``dev`` and head dim ``hd`` (database, else heuristic)."""
-    p = tuning.choose(dev, "attention_fwd", {"hd": hd}, lambda: fwd_heuristic(dev, hd))
+    return fwd_check(dev, hd, tuning.choose(dev, "attention_fwd", {"hd": hd}, lambda: fwd_heuristic(dev, hd)))
+
+
+def fwd_check(dev, hd, p):
+    """``p`` if ``dev`` can run the forward with it at head dim ``hd``; else LimitError saying why."""
     names = ("bq", "rq", "tx", "bk", "vw", "dc", "kc")
     if sorted(p) != sorted(names) or not all(isinstance(p[x], int) and p[x] > 0 for x in names):
         raise LimitError(f"attention_fwd hd={hd}: parameters must be positive ints named {names}, got {p}")

@@ -1,12 +1,13 @@
 """Attention forward against the float64 reference, on every device."""
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 import pytest
 
 import clops
 from clops import reference as ref
 from clops import tuning
-from clops.attention import fwd_params
+from clops.attention import fwd_check, fwd_heuristic, fwd_params
 
 O_TOL, LSE_TOL = 1e-5, 1e-6
 
@@ -102,6 +103,15 @@ def test_local_memory_limit(queue):
             fwd_params(queue.device, 256)
     finally:
         tuning.override("attention_fwd", {"hd": 256}, None)
+
+
+@pytest.mark.parametrize("local_mem, max_wg", [(49152, 1024), (32768, 256), (65536, 1024)])
+def test_gpu_heuristic_fits_every_head_dim(local_mem, max_wg):
+    class Gpu:
+        type, local_mem_size, max_work_group_size = cl.device_type.GPU, local_mem, max_wg
+
+    for hd in range(8, 257, 8):
+        assert fwd_check(Gpu, hd, fwd_heuristic(Gpu, hd))
 
 
 def test_writes_into_given_outputs(queue):
