@@ -31,6 +31,7 @@ import clops
 
 from . import runtime, tuning
 from .profile import measure
+from .tune import attention_flops
 
 RUNS, WARMUP = 7, 2
 ATTENTION = {  # name: (windows, window, nh, nkv, hd)
@@ -166,10 +167,6 @@ def _qk(backward, n, window, heads, hd):
         return lambda: clops.qk_norm_rope(queue, x, w, rope, allocator=data.pool), _nbytes([x, w, y, inv])
 
     return setup
-
-
-def attention_flops(windows, window, nh, hd):
-    return 4 * windows * nh * window * window * hd / 2
 
 
 def _attention(backward, windows, window, nh, nkv, hd):
