@@ -60,6 +60,40 @@ def test_planted_gather_out_of_range_raises(queue, monkeypatch):
         knl(queue, (1,), args)
 
 
+def _zeros(queue, *shape):
+    return cla.zeros(queue, shape, np.float32)
+
+
+def _rms_norm_rows(queue, small=3, big=40, d=64):
+    """rms_norm_fwd told of 40 rows, given buffers of 3."""
+    from clops.norm import _row_kernel
+
+    knl, groups, sizes = _row_kernel(queue, "rms_norm_fwd", big, d)
+    bufs = [_zeros(queue, small, d), _zeros(queue, small), _zeros(queue, small, d), _zeros(queue, d)]
+    return knl, groups, [b.data for b in bufs] + sizes + [np.float32(1e-6), np.float32(0)]
+
+
+def _qk_units(queue, small=4, big=50, hd=32, heads=2):
+    """qk_norm_rope_fwd told of 50 units, given buffers of 4."""
+    from clops.qk_norm_rope import _kernel
+
+    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", big, hd, 0)
+    bufs = [_zeros(queue, small, hd), _zeros(queue, small), _zeros(queue, small, hd), _zeros(queue, hd)]
+    args = [b.data for b in bufs] + [units, np.uint32(heads), np.uint32(1), np.float32(1e-6), np.float32(1)]
+    return knl, (-(-big // p["upg"]),), args
+
+
+PLANTED = {"rms_norm_fwd": _rms_norm_rows, "qk_norm_rope_fwd": _qk_units}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_planted_geometry_of_each_family_raises(queue, monkeypatch, name):
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    knl, groups, args = PLANTED[name](queue)
+    with pytest.raises(OutOfBoundsError, match=rf"kernel {name} .* at index \d+, outside"):
+        knl(queue, groups, args)
+
+
 def test_checked_op_on_valid_input_matches_unchecked(queue, monkeypatch):
     x = np.linspace(-3, 3, 4099).astype(np.float32)
     a, b = cla.to_device(queue, x), cla.to_device(queue, x[::-1].copy())
