@@ -15,6 +15,9 @@
 //      P is written transposed to local memory.
 //   3. O += P·V: V is staged KC keys at a time; the work-item accumulates
 //      RQ rows × RDV vectors of VW columns, columns (j·TX + tx)·VW.
+// The K (and Q) chunks of step 1 and the Pᵀ and V of steps 2-3 share local
+// memory: a barrier lies between the last read of one and the first write of
+// the other (the row-max barrier; the first barrier of the next block's step 1).
 // Every chunk is fetched into registers one step ahead (the next Q/K chunk,
 // the first V chunk, the next block's first Q/K chunk) so global latency
 // hides behind the current step's arithmetic.
@@ -56,11 +59,11 @@
 #define QN ((BQ * (DC / VW) + WG - 1) / WG)   // vectors each work-item fetches per Q chunk
 #define KN ((BK * (DC / VW) + WG - 1) / WG)   // ... per K chunk
 #define VN ((KC * (HDP / VW) + WG - 1) / WG)  // ... per V chunk
-% if resident:
-#define STAGE (BK * QKS > KC * VS ? BK * QKS : KC * VS)
-% else:
-#define STAGE ((BQ + BK) * QKS > KC * VS ? (BQ + BK) * QKS : KC * VS)
-% endif
+#define PTV ((BK * PS * PW + VW - 1) / VW)   // Pᵀ size in vectors of VW
+// Phase 1 stages K (and Q unless resident), phases 2-3 Pᵀ and V: never live at once, so they share.
+#define STAGE_A (${"BK" if resident else "(BQ + BK)"} * QKS)
+#define STAGE_C (PTV + KC * VS)
+#define STAGE (STAGE_A > STAGE_C ? STAGE_A : STAGE_C)
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec_t;
 typedef ${vtype(pw)} pvec_t;
@@ -90,8 +93,10 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
                    __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,
                    const uint T, const uint nh, const uint rep, const float c)
 {
-    __local vec_t stage[STAGE];      // K chunks (and Q chunks unless resident), then V chunks
-    __local pvec_t pt[BK * PS];      // Pᵀ: pt[key][row]
+    // K chunks (and Q chunks unless resident), then Pᵀ and V chunks; aligned for Pᵀ's vectors too.
+    __local vec_t stage[STAGE] __attribute__((aligned(16)));
+    __local pvec_t *pt = (__local pvec_t *)stage;  // Pᵀ: pt[key][row]
+    __local vec_t *vs = stage + PTV;
     __local rvec_t red[BQ * TX / RW]; // per-row partials of the TX work-items of a row
     __local float *reds = (__local float *)red;
 % if resident:
@@ -221,7 +226,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
 
         for (uint cc = 0; cc < BK / KC; ++cc) {
             barrier(CLK_LOCAL_MEM_FENCE);
-            ${put("stage", "vr", "VN", "KC", "HDP / VW", "VS")}
+            ${put("vs", "vr", "VN", "KC", "HDP / VW", "VS")}
             barrier(CLK_LOCAL_MEM_FENCE);
             if (cc + 1 < BK / KC) {
                 ${fetch("vr", "VN", "KC", "HDP / VW", "v", "kbase", "kstride", "k0 + (cc + 1) * KC", "0")}
@@ -243,7 +248,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
                 }
                 #pragma unroll
                 for (int j = 0; j < RDV; ++j) {
-                    const vec_t vv = stage[kk * VS + j * TX + tx];
+                    const vec_t vv = vs[kk * VS + j * TX + tx];
                     #pragma unroll
                     for (int i = 0; i < RQ; ++i) acc[i][j] = fma((vec_t)(pr[i]), vv, acc[i][j]);
                 }

@@ -22,9 +22,10 @@ Forward op name in the tuning database: ``"attention_fwd"``, shape class
   a multiple of ``vw``. With ``dc ≥ hd`` the Q block is staged once and stays.
 - ``kc``: keys of V staged in local memory per step of P·V; divides ``bk``.
 
-Local memory: ``4·(max((bq + bk)·(dc + vw), kc·(hdp + vw)) + bk·(bq + 4) + bq·tx)``
-bytes, ``hdp`` the padded head dim (with ``dc ≥ hd``: ``bq·(dc + vw)`` for Q plus
-``max(bk·(dc + vw), kc·(hdp + vw))``). A parameter set that breaks a rule or does
+Local memory: ``4·(max((bq + bk)·(dc + vw), pv) + bq·tx)`` bytes with
+``pv = bk·(bq + 4) + kc·(hdp + vw)`` (``bk·(bq + 4)`` rounded up to a multiple of
+``vw``), ``hdp`` the padded head dim; with ``dc ≥ hd``:
+``4·(bq·(dc + vw) + max(bk·(dc + vw), pv) + bq·tx)``. A parameter set that breaks a rule or does
 not fit the device raises :class:`clops.LimitError` (a ValueError).
 """
 from __future__ import annotations
@@ -94,10 +95,11 @@ def _fwd_wg(p):
 
 def _fwd_local_bytes(hd, p):
     bq, bk, dc, vw, kc, tx = p["bq"], p["bk"], p["dc"], p["vw"], p["kc"], p["tx"]
-    v_chunk = kc * (_fwd_hdp(hd, p) + vw)
-    if dc >= hd:  # Q resident beside the K/V stage
-        return 4 * (bq * (dc + vw) + max(bk * (dc + vw), v_chunk) + bk * (bq + 4) + bq * tx)
-    return 4 * (max((bq + bk) * (dc + vw), v_chunk) + bk * (bq + 4) + bq * tx)
+    # Step 1's K (and Q) chunks share local memory with Pᵀ and the V chunk of steps 2-3.
+    pv = -(-bk * (bq + 4) // vw) * vw + kc * (_fwd_hdp(hd, p) + vw)
+    if dc >= hd:  # Q resident beside them
+        return 4 * (bq * (dc + vw) + max(bk * (dc + vw), pv) + bq * tx)
+    return 4 * (max((bq + bk) * (dc + vw), pv) + bq * tx)
 
 
 def fwd_params(dev, hd):

@@ -64,6 +64,7 @@ VARIANTS = [
     {"bq": 8, "rq": 2, "tx": 4, "bk": 16, "vw": 2, "dc": 6, "kc": 8},
     {"bq": 32, "rq": 8, "tx": 8, "bk": 8, "vw": 4, "dc": 8, "kc": 4},
     {"bq": 16, "rq": 2, "tx": 8, "bk": 24, "vw": 2, "dc": 48, "kc": 12},  # dc ≥ hd: Q stays staged
+    {"bq": 16, "rq": 4, "tx": 4, "bk": 12, "vw": 1, "dc": 12, "kc": 6},  # Pᵀ vectors wider than vw
 ]
 
 
