@@ -75,7 +75,7 @@ def fwd_heuristic(dev, hd):
         return {"bq": 16, "rq": 4, "tx": 4, "bk": 16, "vw": 4, "dc": 32, "kc": 16}
     small = hd <= 64
     p = {"bq": 64, "rq": 8 if 64 < hd <= 128 else 4, "tx": 8 if small else 16, "bk": 32 if small else 64,
-         "vw": 4, "dc": hd if small else 32, "kc": 32 if small else 16}
+         "vw": 4, "dc": hd if small else 32, "kc": 16}
     while _fwd_local_bytes(hd, p) > dev.local_mem_size and p["bk"] > p["tx"]:
         p["bk"] //= 2
         p["kc"] = min(p["kc"], p["bk"])
