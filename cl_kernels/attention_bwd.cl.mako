@@ -270,7 +270,7 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
             const bool masked = q0 < k0 + BK || q0 + BQ > T;
             ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked")}
             // query rows above the key block see none of its keys
-            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], "k0 > q0 ? (k0 - q0) / JC * JC : 0", "min((uint)BQ, T - q0)", "q0")}
+            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], "q0 <= k0 ? k0 % BQ / JC * JC : 0", "min((uint)BQ, T - q0)", "q0")}
         }
     }
     ${store(0, "dv", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}

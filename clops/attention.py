@@ -231,7 +231,7 @@ def bwd_heuristic(dev, kind, hd):
     e1 = rows * other // wg
     bq, bk = (other, rows) if kind == "dkv" else (rows, other)
     sq = next(s for s in (4, 2, 1) if e1 % s == 0 and bq % s == 0 and bk % (e1 // s) == 0)
-    dc = next(d for d in (16, 8, 32, 4, 2, 1) if hd % d == 0 and d % vw == 0)
+    dc = next(d for d in (32, 16, 8, 4, 2, 1) if hd % d == 0 and d % vw == 0)  # halved below until it fits
     p = {"wg": wg, "bq": bq, "bk": bk, "sq": sq, "sk": e1 // sq, "dc": dc, "jc": math.gcd(8, other),
          "tr": tr, "td": td, "vw": vw}
     while _bwd_local_bytes(kind, hd, p) > dev.local_mem_size and p["dc"] > vw:
