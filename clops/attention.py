@@ -210,7 +210,7 @@ def _bwd_rules(kind, hd, p):
 
 def bwd_heuristic(dev, kind, hd):
     """Backward tiles for ``kind`` ("dkv" or "dq"): the largest accumulator tile
-    (at most 64 floats per work-item when possible) on up to 256 work-items."""
+    (at most 64 floats per work-item when possible) on up to 128 (GPU) or 256 work-items."""
     # vw and the columns per work-item: as many column groups as hd allows, td ≤ 32 where possible
     for vw in (4, 2, 1):
         ncol = 1
@@ -219,7 +219,8 @@ def bwd_heuristic(dev, kind, hd):
         if hd // ncol <= 32:
             break
     td, m = hd // ncol, _bwd_mats(kind)
-    max_wg = min(256, dev.max_work_group_size)
+    # On the H200 groups of 64-128 work-items beat 256 at every head dim measured (more groups per SM).
+    max_wg = min(128 if dev.type & cl.device_type.GPU else 256, dev.max_work_group_size)
     tiles = [(rows, tr) for rows in (64, 32, 16) for tr in (16, 8, 4, 2, 1)
              if rows % tr == 0 and (rows // tr) * ncol <= max_wg]
     fits = [t for t in tiles if m * t[1] * td <= 64] or [min(tiles, key=lambda t: t[1])]
