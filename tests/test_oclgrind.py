@@ -253,8 +253,10 @@ def _environment(folder, check):
     env.update(
         OCL_ICD_VENDORS=str(icd_dir), PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])),
         CLOPS_NO_CACHE="1", OCLGRIND_CHECK_API="1", OCLGRIND_LOG=str(folder / "oclgrind.log"),
-        # Unoptimised: oclgrind 21.10 cannot run some intrinsics clang's optimiser emits
-        # (llvm.usub.sat.i32 in attention_bwd); the kernels run as written.
+        # Unoptimised, the kernels run as written: oclgrind 21.10 lacks some intrinsics clang's
+        # optimiser emits (llvm.usub.sat.i32), and its uninitialised-value plugin misreads the
+        # optimiser's vectors built lane by lane from `poison` (false reports, seen on a
+        # ten-line kernel; attention_fwd's Pᵀ stores).
         OCLGRIND_BUILD_OPTIONS="-cl-opt-disable",
     )
     env[CHECKS[check]] = "1"
