@@ -33,7 +33,10 @@
 ## in clops_err and is redirected to element 0 (so a vector access to a buffer
 ## shorter than the vector still overflows); the launch then waits and the
 ## host raises clops.program.OutOfBoundsError naming the kernel, the site and
-## the index. Local-memory accesses are not guarded.
+## the index (in elements of the parameter's type: vectors for a vector
+## pointer). Bounds are the buffers' allocated sizes (a pool may round them
+## up). A kernel without checked_args runs unguarded in checked builds too.
+## Local-memory accesses are not guarded.
 <%def name="guards()">\
 % if checked:
 ulong clops_guard(ulong i, ulong width, ulong len, uint site, __global uint *err)
