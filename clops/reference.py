@@ -174,7 +174,7 @@ def attention_bwd(q, k, v, o, lse, do, *, window, scale=None):
     ow, dow = _windows(o, window), _windows(do, window)
     lse_w = np.asarray(lse, dtype=np.float64).reshape(-1, window, nh).transpose(0, 2, 1)[..., None]
     s = np.einsum("bhqd,bhkd->bhqk", qw, kw) * scale
-    p = np.where(np.tril(np.ones((window, window), bool)), np.exp(s - lse_w), 0.0)
+    p = np.exp(np.where(np.tril(np.ones((window, window), bool)), s - lse_w, -np.inf))
     dv = np.einsum("bhqk,bhqd->bhkd", p, dow)
     dp = np.einsum("bhqd,bhkd->bhqk", dow, vw)
     delta = np.sum(dow * ow, axis=-1, keepdims=True)
