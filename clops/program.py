@@ -196,7 +196,14 @@ def _build(ctx, dev, template, params, source, key, options, sites):
 def build_warnings(prg, dev):
     """The lines of ``prg``'s build log on ``dev`` that mention a warning (empty for binary-cache hits)."""
     text = prg.get_build_info(dev, cl.program_build_info.LOG) or ""
-    return "\n".join(line for line in text.splitlines() if "warning" in line.lower())
+    return "\n".join(line for line in text.splitlines()
+                     if "warning" in line.lower() and not any(note in line for note in DRIVER_NOTES))
+
+
+# Lines drivers log for every kernel whatever its source; not warnings about it.
+DRIVER_NOTES = (
+    "is a kernel, so overriding noinline attribute",  # NVIDIA's OpenCL compiler, each __kernel
+)
 
 
 class Kernel:

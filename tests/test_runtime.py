@@ -132,3 +132,12 @@ def test_default_queue_is_usable():
     queue = clops.default_queue()
     a = cla.to_device(queue, np.arange(5, dtype=np.float32))
     assert np.array_equal(clops.add(queue, a, a).get(), 2 * np.arange(5, dtype=np.float32))
+
+
+def test_build_warnings_ignore_driver_notes():
+    class Log:
+        def get_build_info(self, dev, what):
+            return ("(): Warning: Function add is a kernel, so overriding noinline attribute. The function may be "
+                    "inlined when called.\nsrc.cl:3:5: warning: unused variable 'x'\nCompilation done\n")
+
+    assert program.build_warnings(Log(), None) == "src.cl:3:5: warning: unused variable 'x'"
