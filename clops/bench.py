@@ -7,7 +7,8 @@ device-to-device copy, read + write). Attention reports TFLOP/s (forward:
 4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that) as a fraction of
 the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
 the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
-device times from profiling events: warm-up, then 7 runs, median kept.
+device times from profiling events (the sum of an op's kernels, gaps between
+them left out): warm-up, then 7 runs, median kept.
 
 ``--peers`` adds PyTorch's figures for the same shapes when PyTorch with a GPU
 is importable in this process, and the ratio PyTorch ms / clops ms (above 1:

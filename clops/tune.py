@@ -10,8 +10,8 @@ through the public op, so the sweep never reaches into a kernel:
    that fails to build or launch (LimitError, ValueError, BuildError, OpenCL
    errors), each with its reason;
 2. the op is timed from profiling events: warm-up calls, then ``--runs`` (≥ 7)
-   calls, each from its first kernel's start to its last kernel's end; the
-   median is kept, with GB/s (bytes read + written) or TFLOP/s.
+   calls, each the sum of its kernels' device times (a family may time only
+   some of them); the median is kept, with GB/s (bytes read + written) or TFLOP/s.
 
 Every result is written to a JSON file as soon as it is known, so an
 interrupted sweep resumes where it stopped. The file's header names the device,

@@ -31,7 +31,8 @@ def test_records_kernels_and_counts(queue):
     assert rows[0][2] >= rows[-1][2]  # longest first
     text = prof.table()
     assert "swiglu_bwd" in text and "buffers created 3" in text
-    assert 0 < prof.span_ms()
+    assert 0 < prof.kernel_ms(["add"]) < prof.kernel_ms() <= prof.span_ms()
+    assert abs(prof.kernel_ms() - sum(row[2] for row in rows)) < 1e-9
 
 
 def test_nothing_registered_outside_the_block(queue):
@@ -42,7 +43,7 @@ def test_nothing_registered_outside_the_block(queue):
     clops.add(queue, a, a)
     assert prof.launches == [] and prof.counts["buffers"] == 0
     with pytest.raises(ValueError, match="no clops kernel"):
-        prof.span_ms()
+        prof.kernel_ms()
 
 
 def test_other_queues_are_not_recorded(queue):
