@@ -16,7 +16,6 @@ Tuning (``clops.tuning.choose`` / ``clops.tuning.override``), shape class ``{"d"
 from __future__ import annotations
 
 import numpy as np
-import pyopencl.array as cla
 
 from . import tuning
 from .args import check_array, check_queue, events, finite_float, index_type, output
@@ -175,7 +174,7 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     dw = output("dw", dw, queue, (d,), allocator)
     p, idx, knl = _dw_kernels(queue, n, d)
     blocks = -(-n // p["rb"])
-    partial = cla.empty(queue, (blocks, d), np.float32, allocator=allocator)
+    partial = output("partial", None, queue, (blocks, d), allocator)  # scratch: per-block column sums
     itype = np.uint32 if idx == "uint" else np.uint64
     dv = d // p["vw"]
     evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),

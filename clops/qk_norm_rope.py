@@ -142,7 +142,7 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
     dw = output("dw", dw, queue, (hd,), allocator)
     p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half)
     blocks = -(-int(units) // p["rb"])
-    partial = cla.empty(queue, (blocks, hd), np.float32, allocator=allocator)
+    partial = output("partial", None, queue, (blocks, hd), allocator)  # scratch: per-block column sums
     args = [dx.data, partial.data, x.data, w.data, inv.data] + ([rope.data] if half else [])
     args += [dy.data, units, np.uint32(heads), np.uint32(window), np.float32(1.0 if gemma else 0.0)]
     evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
