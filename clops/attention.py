@@ -242,8 +242,13 @@ def bwd_heuristic(dev, kind, hd):
 
 def bwd_params(dev, kind, hd):
     """Checked parameters of the ``kind`` pass for ``dev`` and ``hd`` (database, else heuristic)."""
+    p = tuning.choose(dev, "attention_bwd_" + kind, {"hd": hd}, lambda: bwd_heuristic(dev, kind, hd))
+    return bwd_check(dev, kind, hd, p)
+
+
+def bwd_check(dev, kind, hd, p):
+    """``p`` if ``dev`` can run the ``kind`` pass with it at head dim ``hd``; else LimitError saying why."""
     op = "attention_bwd_" + kind
-    p = tuning.choose(dev, op, {"hd": hd}, lambda: bwd_heuristic(dev, kind, hd))
     if sorted(p) != sorted(BWD_NAMES) or not all(isinstance(p[x], int) and p[x] > 0 for x in BWD_NAMES):
         raise LimitError(f"{op} hd={hd}: parameters must be positive ints named {BWD_NAMES}, got {p}")
     for ok, rule in _bwd_rules(kind, hd, p):

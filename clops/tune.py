@@ -46,7 +46,8 @@ import clops
 from . import reference as ref
 from . import runtime, tuning
 from .profile import Profile, measure
-from .program import KERNEL_DIR
+from .attention import bwd_check, fwd_check
+from .program import KERNEL_DIR, LimitError
 
 MIN_RUNS = 7
 # DESIGN.md's tolerances (relative L2 against float64): forward, attention forward (lse: FWD), backward.
@@ -215,14 +216,17 @@ def _bwd_derive(kind):
     return derive
 
 
-def _bwd_local_bytes(kind):
-    def fits(p, dev, sc):
-        # The formula of clops/attention.py (_bwd_local_bytes); the op itself rejects what does not fit.
-        m = 2 if kind == "dkv" else 1
-        stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"], m * p["jc"] * sc["hd"])
-        return 4 * (stage + m * p["bq"] * p["bk"]) <= dev.local_mem_size
+def _accepted_by(check):
+    """A restriction predicate from an op's own parameter check (it raises LimitError on what it refuses)."""
 
-    return fits
+    def accepts(p, dev, sc):
+        try:
+            check(dev, sc["hd"], p)
+        except LimitError:
+            return False
+        return True
+
+    return accepts
 
 
 def _bwd_family(kind):
@@ -233,7 +237,8 @@ def _bwd_family(kind):
         _divides("vw", "dc"), _divides("vw", "td"),
         ("dc and td divide hd", lambda p, dev, sc: sc["hd"] % p["dc"] == 0 and sc["hd"] % p["td"] == 0),
         _wg_fits(lambda p: p["wg"]),
-        ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _bwd_local_bytes(kind)),
+        ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE",
+         _accepted_by(lambda dev, hd, p: bwd_check(dev, kind, hd, p))),
     )
     names = ("attn_bwd_dsum", "attn_bwd_dkv") if kind == "dkv" else ("attn_bwd_dq",)
     return Family(
@@ -252,14 +257,6 @@ def _attention_problem(sc, small):
             256: {"windows": 4, "window": 4096, "nh": 16, "nkv": 2}}.get(sc["hd"],
                                                                           {"windows": 16, "window": 1024, "nh": 12,
                                                                            "nkv": 12})
-
-
-def _fwd_local_bytes(p, dev, sc):
-    # The formula of clops/attention.py's docstring; the op itself rejects what does not fit.
-    step = p["tx"] * p["vw"]
-    hdp = -(-sc["hd"] // step) * step
-    bq, bk, dc, vw, kc, tx = p["bq"], p["bk"], p["dc"], p["vw"], p["kc"], p["tx"]
-    return 4 * (max((bq + bk) * (dc + vw), kc * (hdp + vw)) + bk * (bq + 4) + bq * tx) <= dev.local_mem_size
 
 
 _TOKENS = 16384  # DESIGN.md's memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
@@ -288,7 +285,7 @@ FAMILIES = {
                     "vw": [1, 2, 4], "dc": [16, 32, 64], "kc": [8, 16, 32]},
         (_divides("rq", "bq"), _divides("tx", "bk"), _divides("kc", "bk"), _divides("vw", "dc"),
          _wg_fits(lambda p: p["tx"] * p["bq"] // p["rq"]),
-         ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _fwd_local_bytes)),
+         ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _accepted_by(fwd_check))),
         _attention_problem, _attention_fwd, "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
