@@ -48,6 +48,7 @@
     nmat = 2 if kind == "dkv" else 1
     stage = max((2 * bq + 2 * bk) * (dc // vw + 1), nmat * jc * (hd // vw))
 %>
+<%namespace name="common" file="common.cl.mako"/>\
 #define HD ${hd}
 #define HDV (HD / ${vw})             // vectors per row
 #define VW ${vw}
@@ -71,6 +72,7 @@ typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec_t;
 typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
 typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time, read TR at a time
+${common.guards()}\
 
 ## Registers f{tag}{m}_{it}: this work-item's share of `rows` × `width` vectors of each
 ## source (pointer, row expression of `pos`), from row position pos0 and column vector col0;
@@ -87,7 +89,7 @@ typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time
         {
             const uint e = lid + ${it * wg}, pos = ${pos0} + e / ${width};
 %   for m, (src, rowexpr) in enumerate(srcs):
-            f${tag}${m}_${it} = pos < T ? ${src}[(${rowexpr}) * HDV + ${col0} + e % ${width}] : (vec_t)(0.0f);
+            f${tag}${m}_${it} = pos < T ? ${src}[${at(src, "(%s) * HDV + %s + e %% %s" % (rowexpr, col0, width))}] : (vec_t)(0.0f);
 %   endfor
         }
 % endfor
@@ -154,7 +156,7 @@ typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time
         {
             const uint qi = q0 + tq + ${i * (bq // sq)};
             const idx_t row = (idx_t)(tok0 + min(qi, T - 1)) * nh + h;
-            const float l2 = lse[row] * LOG2E, dd = dsum[row];
+            const float l2 = lse[${at("lse", "row")}] * LOG2E, dd = dsum[${at("dsum", "row")}];
 %   for j in range(sk):
             {
                 const uint kj = k0 + tk + ${j * (bk // sk)};
@@ -232,7 +234,7 @@ typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time
     if (${pos0} + tr * TR + ${i} < T) {
         const idx_t at = (${rowexpr.format(pos="(%s + tr * TR + %d)" % (pos0, i))}) * HDV + tc;
 %   for jj in range(tdv):
-        ${dst}[at + ${jj * nc2}] = acc${m}_${i}_${jj};
+        ${dst}[${at(dst, "at + %d" % (jj * nc2))}] = acc${m}_${i}_${jj};
 %   endfor
     }
 % endfor
@@ -241,15 +243,15 @@ typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time
 % if kind == "dkv":
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dsum(__global const vec_t *restrict o, __global const vec_t *restrict dO,
-                   __global float *restrict dsum, const uint rows)
+                   __global float *restrict dsum, const uint rows${checked_args("o", "dO", "dsum")})
 {
     const uint i = get_global_id(0);
     if (i >= rows)
         return;
     vec_t acc = (vec_t)(0.0f);
     for (uint c = 0; c < HDV; ++c)
-        acc += o[(idx_t)i * HDV + c] * dO[(idx_t)i * HDV + c];
-    dsum[i] = ${" + ".join("acc" + e for e in comps)};
+        acc += o[${at("o", "(idx_t)i * HDV + c")}] * dO[${at("dO", "(idx_t)i * HDV + c")}];
+    dsum[${at("dsum", "i")}] = ${" + ".join("acc" + e for e in comps)};
 }
 
 #define CROW BK                      // row length of the P / dS tiles ([q][k])
@@ -258,7 +260,7 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
                   __global const vec_t *restrict v, __global const vec_t *restrict dO,
                   __global const float *restrict lse, __global const float *restrict dsum,
                   __global vec_t *restrict dk, __global vec_t *restrict dv,
-                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale)
+                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${checked_args("q", "k", "v", "dO", "lse", "dsum", "dk", "dv")})
 {
     __local coef_t cp[BQ * BK / TR], cds[BQ * BK / TR];
     ${prologue()}
@@ -283,7 +285,7 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
                  __global const vec_t *restrict v, __global const vec_t *restrict dO,
                  __global const float *restrict lse, __global const float *restrict dsum,
                  __global vec_t *restrict dq,
-                 const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale)
+                 const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${checked_args("q", "k", "v", "dO", "lse", "dsum", "dq")})
 {
     __local coef_t cds[BQ * BK / TR];
     ${prologue()}

@@ -37,6 +37,7 @@
     pcomps = [""] if pw == 1 else [".s%d" % e for e in range(pw)]
     rcomps = [""] if rw == 1 else [".s%d" % e for e in range(rw)]
 %>
+<%namespace name="common" file="common.cl.mako"/>\
 #define HD ${hd}
 #define HDP ${hdp}
 #define BQ ${bq}
@@ -68,6 +69,7 @@ typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec_t;
 typedef ${vtype(pw)} pvec_t;
 typedef ${vtype(rw)} rvec_t;
+${common.guards()}\
 
 ## Fetch rows [r0, r0 + rows) × vector columns [c0, c0 + cols) of src into registers dst[n];
 ## rows past the window and columns past the head dim read as zero.
@@ -76,7 +78,7 @@ typedef ${vtype(rw)} rvec_t;
             for (int u = 0; u < ${n}; ++u) {
                 const uint e = lid + u * WG, r = e / (${cols}), d = (${c0}) + e % (${cols});
                 ${dst}[u] = (e < (${rows}) * (${cols}) && (${r0}) + r < T && d < HD / VW)
-                    ? ${src}[${base} + ((${r0}) + r) * ${stride} + d] : (vec_t)(0.0f);
+                    ? ${src}[${at(src, "%s + ((%s) + r) * %s + d" % (base, r0, stride))}] : (vec_t)(0.0f);
             }
 </%def>
 ## Store the fetched registers src[n] into local rows of `stride` vectors.
@@ -91,7 +93,7 @@ typedef ${vtype(rw)} rvec_t;
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restrict k,
                    __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,
-                   const uint T, const uint nh, const uint rep, const float c)
+                   const uint T, const uint nh, const uint rep, const float c${checked_args("q", "k", "v", "o", "lse")})
 {
     // K chunks (and Q chunks unless resident), then Pᵀ and V chunks; aligned for Pᵀ's vectors too.
     __local vec_t stage[STAGE] __attribute__((aligned(16)));
@@ -275,9 +277,9 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             const idx_t row = qbase + qi * qstride;
             #pragma unroll
             for (int j = 0; j < RDV; ++j) {
-                if (j * TX + tx < HD / VW) o[row + j * TX + tx] = acc[i][j] / lt;
+                if (j * TX + tx < HD / VW) o[${at("o", "row + j * TX + tx")}] = acc[i][j] / lt;
             }
-            if (tx == 0) lse[((idx_t)w * T + qi) * nh + h] = m[i] * M_LN2_F + log(lt);
+            if (tx == 0) lse[${at("lse", "((idx_t)w * T + qi) * nh + h")}] = m[i] * M_LN2_F + log(lt);
         }
     }
 }

@@ -83,7 +83,30 @@ def _qk_units(queue, small=4, big=50, hd=32, heads=2):
     return knl, (-(-big // p["upg"]),), args
 
 
-PLANTED = {"rms_norm_fwd": _rms_norm_rows, "qk_norm_rope_fwd": _qk_units}
+def _attention_window(queue, small=8, big=40, nh=2, hd=8):
+    """attention_fwd told of a window of 40 tokens, given 8."""
+    from clops.attention import FWD_TEMPLATE, _fwd_wg, fwd_params
+
+    p = fwd_params(queue.device, hd)
+    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx="uint"), work_group_size=_fwd_wg(p))["attention_fwd"]
+    q, kv, o, lse = _zeros(queue, small, nh, hd), _zeros(queue, small, 1, hd), _zeros(queue, small, nh, hd), _zeros(
+        queue, small, nh)
+    args = [q.data, kv.data, kv.data, o.data, lse.data, np.uint32(big), np.uint32(nh), np.uint32(nh), np.float32(1)]
+    return knl, (nh, 1, -(-big // p["bq"])), args
+
+
+def _attention_dsum_rows(queue, small=8, big=40, hd=8):
+    """attn_bwd_dsum told of 40 (row, head) pairs, given 8."""
+    from clops.attention import BWD_TEMPLATE, bwd_params
+
+    p = bwd_params(queue.device, "dkv", hd)
+    knl = kernels(queue, BWD_TEMPLATE, dict(p, kind="dkv", hd=hd, idx="uint"), work_group_size=p["wg"])
+    o, dsum = _zeros(queue, small, hd), _zeros(queue, small)
+    return knl["attn_bwd_dsum"], (-(-big // p["wg"]),), [o.data, o.data, dsum.data, np.uint32(big)]
+
+
+PLANTED = {"rms_norm_fwd": _rms_norm_rows, "qk_norm_rope_fwd": _qk_units, "attention_fwd": _attention_window,
+           "attn_bwd_dsum": _attention_dsum_rows}
 
 
 @pytest.mark.parametrize("name", sorted(PLANTED))

@@ -3,7 +3,7 @@
 The oclgrind tour (tests/test_oclgrind.py: every kernel of every family at tile sets of
 vector widths 1 and 4, and the device's default) runs here on the device under test with
 the binary cache off, so every program is compiled from source and its build log read;
-then once more as checked builds (CLOPS_CHECKED=1), which carry the guards.
+then once more as checked builds (CLOPS_CHECKED=1), whose kernels must all carry the guards.
 """
 import pytest
 
@@ -32,6 +32,11 @@ def test_templates_build_without_warnings(queue, monkeypatch, family, checked):
     assert logs, f"{family}: nothing was built (a cached program would hide its build log)"
     warned = [text for text in logs.values() if text]
     assert not warned, "\n\n".join(warned)
+    if checked:  # every kernel of the family's templates adopted the guards (cl_kernels/common.cl.mako)
+        built = [k for p in clops.program._programs[queue.context].values() for k in p.values()
+                 if k.template in templates]
+        unguarded = sorted({f"{k.template}:{k.name}" for k in built if k._guarded is None})
+        assert not unguarded, f"kernels without index guards: {unguarded}"
 
 
 def test_a_planted_warning_is_seen(queue):
