@@ -22,8 +22,10 @@
 // group and the query blocks from the diagonal on, so dK/dV are written once,
 // summed over the group, without atomics. dq: one group per (query block,
 // window, head), last (heaviest) blocks first, keys from 0 to the diagonal.
-// Masks apply only to blocks crossing the diagonal or the window's end; rows
-// past the window are staged as zeros. Every barrier is in uniform control
+// Masks apply only to blocks crossing the diagonal or the window's end, by
+// selection (masked pairs are skipped, never multiplied by zero, so a NaN stays
+// out of gradients that do not depend on it); rows past the window are staged
+// as zeros. Every barrier is in uniform control
 // flow; every sum has a fixed order, so results are bitwise reproducible.
 //
 // Parameters: WG work-items; BQ query rows, BK keys per block; SQ × SK score
@@ -161,13 +163,13 @@ ${common.guards()}\
             {
                 const uint kj = k0 + tk + ${j * (bk // sk)};
                 const uint at = ${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))};
-                float p = exp2(s${i}_${j} * c2 - l2);
+                float p = exp2(s${i}_${j} * c2 - l2), ds = p * (dp${i}_${j} - dd) * scale;
                 if (${mask} && (kj > qi || qi >= T))
-                    p = 0.0f;
+                    p = ds = 0.0f;  // not p·(…): a NaN of dO, V or D stays out of masked entries
 %     if pcoef:
                 ${pcoef}[at / TR].s[at % TR] = p;
 %     endif
-                ${dscoef}[at / TR].s[at % TR] = p * (dp${i}_${j} - dd) * scale;
+                ${dscoef}[at / TR].s[at % TR] = ds;
             }
 %   endfor
         }
@@ -176,7 +178,9 @@ ${common.guards()}\
 
 ## Step 2: acc{m}_{i}_{jj} += coef_m[row j][tr·TR + i] · X_m[row j][column vector tc + jj·NC2]
 ## for rows jlo.. < jhi (from position pos0) of `srcs`, staged JC rows at a time, fetched one step ahead.
-<%def name="accumulate(coefs, srcs, jlo, jhi, pos0)">
+## Where `masked`, the pairs failing `visible(j, i)` (key after query) are skipped, not multiplied
+## by their zero coefficient: 0·NaN would carry a NaN row of X to gradients that do not depend on it.
+<%def name="accumulate(coefs, srcs, jlo, jhi, pos0, masked, visible)">
         {
         const uint jlo = ${jlo}, jhi = ${jhi};
         ${declare("x", jc, hd // vw, len(srcs))}
@@ -187,6 +191,17 @@ ${common.guards()}\
             if (j0 + JC < jhi) {
                 ${fetch("x", jc, hd // vw, srcs, pos0 + " + j0 + JC", "0")}
             }
+            if (${masked}) {
+                ${products(coefs, visible)}
+            } else {
+                ${products(coefs, None)}
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+        }
+</%def>
+
+<%def name="products(coefs, visible)">
             for (uint j = 0; j < JC; ++j) {
 % for m, coef in enumerate(coefs):
                 const cvec_t c${m} = ${coef}[(j0 + j) * (CROW / TR) + tr].v;
@@ -196,15 +211,15 @@ ${common.guards()}\
                 {
                     const vec_t x = sx[(${m * jc} + j) * HDV + tc + ${jj * nc2}];
 %     for i in range(tr):
+%       if visible:
+                    if (${visible("j0 + j", "tr * TR + %d" % i)})
+%       endif
                     acc${m}_${i}_${jj} += ${co("c%d" % m, i)} * x;
 %     endfor
                 }
 %   endfor
 % endfor
             }
-            barrier(CLK_LOCAL_MEM_FENCE);
-        }
-        }
 </%def>
 
 ## Per-work-item indices shared by both gradient kernels.
@@ -272,7 +287,8 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
             const bool masked = q0 < k0 + BK || q0 + BQ > T;
             ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked")}
             // query rows above the key block see none of its keys
-            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], "q0 <= k0 ? k0 % BQ / JC * JC : 0", "min((uint)BQ, T - q0)", "q0")}
+            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], "q0 <= k0 ? k0 % BQ / JC * JC : 0", "min((uint)BQ, T - q0)", "q0",
+                            "masked", lambda j, i: "q0 + %s >= k0 + %s" % (j, i))}
         }
     }
     ${store(0, "dv", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
@@ -297,7 +313,8 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
         const bool masked = k0 + BK - 1 > q0 || q0 + BQ > T;
         ${scores(None, "cds", lambda r, c: "%s * BQ + %s" % (c, r), "masked")}
         // keys past the block's last query (or the window) have dS = 0
-        ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], "0", "min((uint)BK, qlast + 1 - k0)", "k0")}
+        ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], "0", "min((uint)BK, qlast + 1 - k0)", "k0",
+                      "masked", lambda j, i: "k0 + %s <= q0 + %s" % (j, i))}
     }
     ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}
 }

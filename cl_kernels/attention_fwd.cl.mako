@@ -22,8 +22,10 @@
 // the first V chunk, the next block's first Q/K chunk) so global latency
 // hides behind the current step's arithmetic.
 // Only blocks holding a visible key are visited; masking (key > query, or key
-// past the window) is applied to every score, so the diagonal and a partial
-// last block need no separate path. Every barrier is in uniform control flow.
+// past the window) is applied to every score, so a partial last block needs no
+// separate path; in blocks crossing the diagonal, P·V skips the masked keys
+// (0·NaN would carry a NaN of V into earlier rows). Every barrier is in
+// uniform control flow.
 //
 // Parameters: BQ query rows per group, RQ rows per work-item, TX work-items
 // across keys/columns, BK keys per block, VW vector width, DC head-dim chunk
@@ -88,6 +90,34 @@ ${common.guards()}\
                 const uint e = lid + u * WG;
                 if (e < (${rows}) * (${cols})) ${dst}[e / (${cols}) * ${stride} + e % (${cols})] = ${src}[u];
             }
+</%def>
+
+## O += P·V over the KC staged keys. In blocks crossing the diagonal (`causal`), a key
+## past a row is skipped rather than multiplied by its zero P, so a NaN in V stays out of
+## the rows that cannot see it.
+<%def name="pv(causal)">
+                #pragma unroll
+                for (int kk = 0; kk < KC; ++kk) {
+                    float pr[RQ];
+                    #pragma unroll
+                    for (int i = 0; i < RQ; i += PW) {
+                        const pvec_t pv = pt[(cc * KC + kk) * PS + (ty * RQ + i) / PW];
+% for e, pc in enumerate(pcomps):
+                        pr[i + ${e}] = pv${pc};
+% endfor
+                    }
+                    #pragma unroll
+                    for (int j = 0; j < RDV; ++j) {
+                        const vec_t vv = vs[kk * VS + j * TX + tx];
+                        #pragma unroll
+                        for (int i = 0; i < RQ; ++i) {
+% if causal:
+                            if (k0 + cc * KC + kk <= q0 + ty * RQ + i)
+% endif
+                            acc[i][j] = fma((vec_t)(pr[i]), vv, acc[i][j]);
+                        }
+                    }
+                }
 </%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -238,22 +268,10 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
 % endif
                 ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "k0 + BK", "0")}
             }
-            #pragma unroll
-            for (int kk = 0; kk < KC; ++kk) {
-                float pr[RQ];
-                #pragma unroll
-                for (int i = 0; i < RQ; i += PW) {
-                    const pvec_t pv = pt[(cc * KC + kk) * PS + (ty * RQ + i) / PW];
-% for e, pc in enumerate(pcomps):
-                    pr[i + ${e}] = pv${pc};
-% endfor
-                }
-                #pragma unroll
-                for (int j = 0; j < RDV; ++j) {
-                    const vec_t vv = vs[kk * VS + j * TX + tx];
-                    #pragma unroll
-                    for (int i = 0; i < RQ; ++i) acc[i][j] = fma((vec_t)(pr[i]), vv, acc[i][j]);
-                }
+            if (k0 + BK - 1 > q0) {
+                ${pv(True)}
+            } else {
+                ${pv(False)}
             }
         }
     }

@@ -166,7 +166,10 @@ def test_qk_norm_rope_nan_stays_in_its_unit(queue):
     assert np.isnan(dw.get()).all()
 
 
-WINDOWS, WINDOW, NH, NKV, HD = 3, 21, 4, 2, 16
+WINDOWS, WINDOW, NH, NKV, HD = 3, 70, 4, 2, 16  # several key blocks per window at the usual tiles
+N = WINDOWS * WINDOW
+NAN_AT = {"q": (WINDOW + 40, 3, 5), "k": (2 * WINDOW + 9, 0, 2), "v": (2 * WINDOW + 33, 1, 7),
+          "do": (WINDOW + 2, 2, 11)}  # (token, head, column) of the NaN in each input
 
 
 def _attention(queue, q, k, v, do):
@@ -176,55 +179,38 @@ def _attention(queue, q, k, v, do):
     return {name: a.get() for name, a in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))}
 
 
-def _inputs():
-    n = WINDOWS * WINDOW
-    return rnd((n, NH, HD), 25), rnd((n, NKV, HD), 26), rnd((n, NKV, HD), 27), rnd((n, NH, HD), 28)
+def _nan_pattern(source):
+    """Where the outputs must be NaN (and only there) for a NaN at NAN_AT[source]: the entries that
+    depend on it in exact arithmetic, masked score entries counting as absent, not as zeros."""
+    tok, head, col = NAN_AT[source]
+    rep = NH // NKV
+    g = head if source in ("k", "v") else head // rep  # kv head of the NaN
+    heads = slice(g * rep, (g + 1) * rep)  # query heads reading kv head g
+    win = slice(tok // WINDOW * WINDOW, (tok // WINDOW + 1) * WINDOW)
+    upto, after = slice(win.start, tok + 1), slice(tok, win.stop)  # keys ≤ tok; rows ≥ tok
+    want = {"o": np.zeros((N, NH, HD), bool), "lse": np.zeros((N, NH), bool),
+            "dq": np.zeros((N, NH, HD), bool), "dk": np.zeros((N, NKV, HD), bool),
+            "dv": np.zeros((N, NKV, HD), bool)}
+    if source == "q":  # its row's scores: o, lse, dq of the row; dK, dV of the keys it sees
+        want["o"][tok, head] = want["lse"][tok, head] = want["dq"][tok, head] = True
+        want["dk"][upto, g] = want["dv"][upto, g] = True
+    elif source == "k":  # a score of every row from tok on, whose lse then carries it to the window's dK, dV
+        want["o"][after, heads] = want["lse"][after, heads] = want["dq"][after, heads] = True
+        want["dk"][win, g] = want["dv"][win, g] = True
+    elif source == "v":  # one column of o from tok on; D = Σ dO·O then makes dS rows NaN: dq, dk
+        want["o"][after, heads, col] = want["dq"][after, heads] = True
+        want["dk"][win, g] = True
+    else:  # dO: D and dP of its row: dq of the row, dK of the keys it sees; dV in one column
+        want["dq"][tok, head] = want["dk"][upto, g] = True
+        want["dv"][upto, g, col] = True
+    return want
 
 
-def test_attention_nan_in_a_query_row(queue):
-    q, k, v, do = _inputs()
-    row = WINDOW + 7  # window 1, head 3 (kv head 1)
-    q[row, 3, 5] = np.nan
-    got = _attention(queue, q, k, v, do)
-    mask = np.zeros((WINDOWS * WINDOW, NH), bool)
-    mask[row, 3] = True
-    _nan_exactly(got["o"], np.repeat(mask[..., None], HD, -1), "o")
-    _nan_exactly(got["lse"], mask, "lse")
-    _nan_exactly(got["dq"], np.repeat(mask[..., None], HD, -1), "dq")
-    # dV of the keys the row sees (its window and kv head, keys ≤ row) hold the NaN, no others.
-    seen = np.zeros((WINDOWS * WINDOW, NKV, HD), bool)
-    seen[WINDOW:row + 1, 1] = True
-    _nan_exactly(got["dv"], seen, "dv")
-    # dK: those keys, and at most the rest of the window's keys of that kv head (the masked
-    # scores' zero gradients meet the NaN row in dS·Q); never another window or kv head.
-    window_group = np.zeros_like(seen)
-    window_group[WINDOW:2 * WINDOW, 1] = True
-    dk_nan = np.isnan(got["dk"])
-    assert dk_nan[seen].all() and not dk_nan[~window_group].any()
-
-
-def test_attention_nan_in_a_key_row(queue):
-    q, k, v, do = _inputs()
-    key = 2 * WINDOW + 9  # window 2, kv head 0 (query heads 0, 1)
-    k[key, 0, 2] = np.nan
-    got = _attention(queue, q, k, v, do)
-    n = WINDOWS * WINDOW
-    other_windows = np.ones(n, bool)
-    other_windows[2 * WINDOW:] = False
-    for name in ("o", "lse", "dq", "dk", "dv"):
-        assert np.isfinite(got[name][other_windows]).all(), f"{name}: the NaN reached another window"
-    # Forward: the query rows from the key on, in the key's group (heads 0, 1), see it; the
-    # rows before it do not.
-    sees = np.zeros((n, NH), bool)
-    sees[key:, :2] = True
-    _nan_exactly(got["o"], np.repeat(sees[..., None], HD, -1), "o")
-    _nan_exactly(got["lse"], sees, "lse")
-    # Backward: dQ of those rows, dK and dV of the window's keys of kv head 0, hold the NaN;
-    # at most the rest of the window's rows of the group too, never another window or group.
-    group = np.zeros((n, NH), bool)
-    group[2 * WINDOW:, :2] = True
-    assert np.isnan(got["dq"][sees]).all() and not np.isnan(got["dq"][~group]).any()
-    kv = np.zeros((n, NKV), bool)
-    kv[2 * WINDOW:, 0] = True
-    for name in ("dk", "dv"):
-        assert np.isnan(got[name][kv]).all() and not np.isnan(got[name][~kv]).any(), name
+@pytest.mark.parametrize("source", sorted(NAN_AT))
+def test_attention_nan_stays_in_its_dependants(queue, source):
+    inputs = dict(zip(("q", "k", "v", "do"), (rnd((N, NH, HD), 25), rnd((N, NKV, HD), 26),
+                                               rnd((N, NKV, HD), 27), rnd((N, NH, HD), 28))))
+    inputs[source][NAN_AT[source]] = np.nan
+    got = _attention(queue, *inputs.values())
+    for name, where in _nan_pattern(source).items():
+        _nan_exactly(got[name], where, f"{name} (NaN in {source})")
