@@ -17,8 +17,10 @@ Every result is written to a JSON file as soon as it is known, so an
 interrupted sweep resumes where it stopped. The file's header names the device,
 driver, template hash (of the family's template files' text), problem size and
 parameter names; resuming against another device, driver or template is
-refused. ``--save`` writes the fastest correct configuration into the user
-tuning database; ``--plot`` draws the sweep (matplotlib, when installed).
+refused. Each run also times the op's current configuration (database or
+heuristic, no override); ``--save`` writes the fastest correct configuration
+into the user tuning database when it beats that one, so a short sweep cannot
+replace a better default. ``--plot`` draws the sweep (matplotlib, when installed).
 
 A family is one :class:`Family` entry in :data:`FAMILIES`.
 """
@@ -380,9 +382,11 @@ def _reason(e):
 
 
 def evaluate(queue, fam, case, sc, params, runs, warmup):
-    """The result of one configuration: status ok | wrong | failed, with its reason or figures."""
+    """The result of one configuration: status ok | wrong | failed, with its reason or figures.
+    ``params`` None: the configuration the op uses without an override (database or heuristic)."""
     dev = queue.device
-    tuning.override(fam.op, sc, params, device=dev)
+    if params is not None:
+        tuning.override(fam.op, sc, params, device=dev)
     try:
         with Profile(queue) as prof:
             outs = case.call()
@@ -397,7 +401,8 @@ def evaluate(queue, fam, case, sc, params, runs, warmup):
     except (ValueError, RuntimeError, cl.Error) as e:
         return {"params": params, "status": "failed", "reason": _reason(e)}
     finally:
-        tuning.override(fam.op, sc, None, device=dev)
+        if params is not None:
+            tuning.override(fam.op, sc, None, device=dev)
     figure = case.work / (ms * 1e6) if case.unit == "GB/s" else case.work / (ms * 1e9)
     return {"params": params, "status": "ok", "err": err, "ms": ms, case.unit: figure, "times_ms": times,
             "used": used}
@@ -407,10 +412,13 @@ def _progress(i, total, params, r, best, out):
     width = 20
     done = round(width * i / total) if total else width
     bar = "#" * done + "-" * (width - done)
-    what = {"ok": lambda: f"{r['ms']:.4f} ms", "wrong": lambda: "WRONG " + r["reason"],
-            "failed": lambda: "FAILED " + r["reason"]}[r["status"]]()
     best_text = f" | best {best['ms']:.4f} ms" if best else ""
-    out(f"[{bar}] {i}/{total} {_fmt(params)}: {what[:120]}{best_text}")
+    out(f"[{bar}] {i}/{total} {_fmt(params)}: {_outcome(r)[:120]}{best_text}")
+
+
+def _outcome(r):
+    return {"ok": lambda: f"{r['ms']:.4f} ms", "wrong": lambda: "WRONG " + r["reason"],
+            "failed": lambda: "FAILED " + r["reason"]}[r["status"]]()
 
 
 def _fmt(params):
@@ -419,7 +427,8 @@ def _fmt(params):
 
 def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, restrict=True, sample=None, seed=0,
           budget_s=None, fresh=False, out=print):
-    """Run (or resume) a sweep; returns (header, results). Results are in the file after every configuration."""
+    """Run (or resume) a sweep; returns (header, results, current). Results are in the file after every
+    configuration; ``current`` is the op's configuration without an override, timed in this run."""
     if runs < MIN_RUNS:
         raise ValueError(f"runs: at least {MIN_RUNS} timed runs, got {runs}")
     dev = queue.device
@@ -436,6 +445,8 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
     out(f"{fam.op} {tuning.shape_key(sc) or '(no shape class)'} on {dev.name.strip()}: {len(configs)} "
         f"configurations, {len(configs) - len(todo)} already in {path}, problem {problem}")
     case = fam.prepare(queue, sc, problem)
+    current = evaluate(queue, fam, case, sc, None, runs, warmup)
+    out(f"current configuration ({tuning.lookup(dev, fam.op, sc)[1] or 'heuristic'}): " + _outcome(current))
     best = min((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"], default=None)
     start = time.monotonic()
     for i, params in enumerate(todo, len(configs) - len(todo) + 1):
@@ -450,7 +461,7 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
         _progress(i, len(configs), params, r, best, out)
     if not Path(path).exists():
         _write(path, head, results)
-    return head, results
+    return head, results, current
 
 
 def best_result(results):
@@ -576,7 +587,7 @@ def main(argv=None, queue=None):
     path = a.out or f"clops-tune-{fam.op}-{re.sub('[^A-Za-z0-9]+', '', tuning.shape_key(sc)) or 'all'}-" \
                     f"{tuning.device_key(dev)}.json"
     try:
-        head, results = sweep(queue, fam, sc, problem, space, path, runs=a.runs, warmup=a.warmup,
+        head, results, current = sweep(queue, fam, sc, problem, space, path, runs=a.runs, warmup=a.warmup,
                               restrict=not a.no_restrictions, sample=a.sample, seed=a.seed, budget_s=a.budget_s,
                               fresh=a.fresh)
     except KeyboardInterrupt:
@@ -597,6 +608,10 @@ def main(argv=None, queue=None):
         if best is None:
             print("--save: no correct configuration, nothing saved")
             return 1
+        if current["status"] == "ok" and current["ms"] <= best["ms"]:
+            print(f"--save: the op's current configuration ({current['ms']:.4f} ms) is at least as fast as the "
+                  f"best swept one ({best['ms']:.4f} ms): nothing saved")
+            return 0
         saved = tuning.save(dev, fam.op, sc, best["params"])
         print(f"saved {_fmt(best['params'])} for {fam.op} {tuning.shape_key(sc) or '{}'} to {saved}")
     return 0 if best is not None else 1

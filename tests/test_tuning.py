@@ -110,11 +110,29 @@ def _planted_miscompile(monkeypatch):
         def call():
             o, lse = case.call()
             p, _ = tuning.lookup(queue.device, "attention_fwd", sc)
-            return (2 * o if (p["bk"], p["bq"]) == (32, 16) else o), lse
+            return (2 * o if p is not None and (p["bk"], p["bq"]) == (32, 16) else o), lse
 
         return dataclasses.replace(case, call=call)
 
     monkeypatch.setitem(tune.FAMILIES, "attention_fwd", dataclasses.replace(fam, prepare=prepare))
+
+
+def _current_at(evaluate, ms):
+    """``evaluate`` with the op's current configuration (params None) reported at ``ms``."""
+
+    def planted(*a, **kw):
+        r = evaluate(*a, **kw)
+        return dict(r, ms=ms) if a[4] is None and r["status"] == "ok" else r
+
+    return planted
+
+
+def test_save_keeps_a_faster_current_configuration(queue, tuning_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tune, "evaluate", _current_at(tune.evaluate, 0.0))
+    assert tune.main(ATTN + ["--param", "bq=16", "--param", "rq=2", "--param", "tx=4", "--param", "bk=16",
+                             "--out", str(tmp_path / "s.json"), "--save"], queue=queue) == 0
+    assert "nothing saved" in capsys.readouterr().out
+    assert tuning.lookup(queue.device, "attention_fwd", {"hd": 32}) == (None, None)
 
 
 def test_attention_sweep_interrupted_resumed_saved(queue, tuning_dirs, tmp_path, monkeypatch, capsys):
@@ -124,7 +142,8 @@ def test_attention_sweep_interrupted_resumed_saved(queue, tuning_dirs, tmp_path,
     real, calls = tune.evaluate, []
 
     def interrupted(*a, **kw):
-        calls.append(a[4])
+        if a[4] is not None:  # None: the op's current configuration, timed before the sweep
+            calls.append(a[4])
         if len(calls) == 6:
             raise KeyboardInterrupt
         return real(*a, **kw)
@@ -137,7 +156,7 @@ def test_attention_sweep_interrupted_resumed_saved(queue, tuning_dirs, tmp_path,
     assert first["header"]["problem"] == {"windows": 1, "window": 40, "nh": 4, "nkv": 2}
 
     calls.clear()
-    monkeypatch.setattr(tune, "evaluate", real)
+    monkeypatch.setattr(tune, "evaluate", _current_at(real, float("inf")))  # any swept configuration beats it
     assert tune.main(args + ["--save", "--plot", str(tmp_path / "sweep.png")], queue=queue) == 0
     out = capsys.readouterr().out
     results = json.loads(path.read_text())["results"]
