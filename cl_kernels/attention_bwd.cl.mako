@@ -48,7 +48,7 @@
     def co(var, i):
         return var if tr == 1 else "%s.s%x" % (var, i)
     nmat = 2 if kind == "dkv" else 1
-    stage = max((2 * bq + 2 * bk) * (dc // vw + 1), nmat * jc * (hd // vw))
+    stage = max((2 * bq + 2 * bk) * (dc // vw + 1), 0 if dc == hd else nmat * jc * (hd // vw))
 %>
 <%namespace name="common" file="common.cl.mako"/>\
 #define HD ${hd}
@@ -178,11 +178,19 @@ ${common.guards()}\
 
 ## Step 2: acc{m}_{i}_{jj} += coef_m[row j][tr·TR + i] · X_m[row j][column vector tc + jj·NC2]
 ## for rows jlo.. < jhi (from position pos0) of `srcs`, staged JC rows at a time, fetched one step ahead.
+## When step 1 staged the whole head dim (DC = HD), X_m is already in local memory (`staged`, rows
+## from the block's start, stride DCP) and is read there: no second fetch, no staging barriers.
 ## Where `masked`, the pairs failing `visible(j, i)` (key after query) are skipped, not multiplied
 ## by their zero coefficient: 0·NaN would carry a NaN row of X to gradients that do not depend on it.
-<%def name="accumulate(coefs, srcs, jlo, jhi, pos0, masked, visible)">
+<%def name="accumulate(coefs, srcs, staged, jlo, jhi, pos0, masked, visible)">
         {
         const uint jlo = ${jlo}, jhi = ${jhi};
+% if dc == hd:
+<%  xat = lambda m, col: "%s[(j0 + j) * DCP + %s]" % (staged[m], col) %>
+        barrier(CLK_LOCAL_MEM_FENCE);  // the coefficients
+        for (uint j0 = jlo; j0 < jhi; j0 += JC) {
+% else:
+<%  xat = lambda m, col: "sx[(%d + j) * HDV + %s]" % (m * jc, col) %>
         ${declare("x", jc, hd // vw, len(srcs))}
         ${fetch("x", jc, hd // vw, srcs, pos0 + " + jlo", "0")}
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
@@ -191,17 +199,23 @@ ${common.guards()}\
             if (j0 + JC < jhi) {
                 ${fetch("x", jc, hd // vw, srcs, pos0 + " + j0 + JC", "0")}
             }
+% endif
             if (${masked}) {
-                ${products(coefs, visible)}
+                ${products(coefs, xat, visible)}
             } else {
-                ${products(coefs, None)}
+                ${products(coefs, xat, None)}
             }
+% if dc != hd:
             barrier(CLK_LOCAL_MEM_FENCE);
+% endif
         }
+% if dc == hd:
+        barrier(CLK_LOCAL_MEM_FENCE);  // before step 1 of the next block restages
+% endif
         }
 </%def>
 
-<%def name="products(coefs, visible)">
+<%def name="products(coefs, xat, visible)">
             for (uint j = 0; j < JC; ++j) {
 % for m, coef in enumerate(coefs):
                 const cvec_t c${m} = ${coef}[(j0 + j) * (CROW / TR) + tr].v;
@@ -209,7 +223,7 @@ ${common.guards()}\
 % for jj in range(tdv):
 %   for m in range(len(coefs)):
                 {
-                    const vec_t x = sx[(${m * jc} + j) * HDV + tc + ${jj * nc2}];
+                    const vec_t x = ${xat(m, "tc + %d" % (jj * nc2))};
 %     for i in range(tr):
 %       if visible:
                     if (${visible("j0 + j", "tr * TR + %d" % i)})
@@ -287,7 +301,7 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
             const bool masked = q0 < k0 + BK || q0 + BQ > T;
             ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked")}
             // query rows above the key block see none of its keys
-            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], "q0 <= k0 ? k0 % BQ / JC * JC : 0", "min((uint)BQ, T - q0)", "q0",
+            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], ["sdo", "sq_"], "q0 <= k0 ? k0 % BQ / JC * JC : 0", "min((uint)BQ, T - q0)", "q0",
                             "masked", lambda j, i: "q0 + %s >= k0 + %s" % (j, i))}
         }
     }
@@ -313,7 +327,7 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
         const bool masked = k0 + BK - 1 > q0 || q0 + BQ > T;
         ${scores(None, "cds", lambda r, c: "%s * BQ + %s" % (c, r), "masked")}
         // keys past the block's last query (or the window) have dS = 0
-        ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], "0", "min((uint)BK, qlast + 1 - k0)", "k0",
+        ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], ["sk_"], "0", "min((uint)BK, qlast + 1 - k0)", "k0",
                       "masked", lambda j, i: "k0 + %s <= q0 + %s" % (j, i))}
     }
     ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}

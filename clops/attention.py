@@ -189,7 +189,9 @@ def _bwd_mats(kind):
 
 def _bwd_local_bytes(kind, hd, p):
     m = _bwd_mats(kind)
-    stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"], m * p["jc"] * hd)
+    # step 2 stages its operand only when step 1 did not hold the whole head dim (dc < hd)
+    stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"],
+                0 if p["dc"] == hd else m * p["jc"] * hd)
     return 4 * (stage + m * p["bq"] * p["bk"])
 
 

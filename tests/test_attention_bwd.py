@@ -102,17 +102,20 @@ def test_deterministic(queue):
 
 
 # Tile shapes the template must honour: vector widths 1/2/4, tr 1/2/8, odd score tiles,
-# several head-dim chunks (dc < hd) and staged row chunks (jc below the block).
+# several head-dim chunks (dc < hd) and staged row chunks (jc below the block), or the whole
+# head dim in one chunk (dc = hd: step 2 reads the tiles step 1 staged).
 VARIANTS = {
     "dkv": [
         {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1},
         {"wg": 40, "bq": 8, "bk": 20, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2},
         {"wg": 10, "bq": 20, "bk": 8, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4},
+        {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 40, "jc": 4, "tr": 2, "td": 10, "vw": 2},
     ],
     "dq": [
         {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1},
         {"wg": 40, "bq": 20, "bk": 8, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2},
         {"wg": 10, "bq": 8, "bk": 20, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4},
+        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 40, "jc": 6, "tr": 2, "td": 10, "vw": 2},
     ],
 }
 

@@ -7,6 +7,8 @@ import pytest
 
 import clops
 from clops import reference as ref
+from clops import tuning
+from clops.attention import bwd_heuristic
 from clops.reference import rel_err, rnd
 
 
@@ -206,11 +208,19 @@ def _nan_pattern(source):
     return want
 
 
+@pytest.mark.parametrize("dc", [HD // 2, HD])  # the backward's two step-2 paths: restaged, or step 1's tiles
 @pytest.mark.parametrize("source", sorted(NAN_AT))
-def test_attention_nan_stays_in_its_dependants(queue, source):
+def test_attention_nan_stays_in_its_dependants(queue, source, dc):
     inputs = dict(zip(("q", "k", "v", "do"), (rnd((N, NH, HD), 25), rnd((N, NKV, HD), 26),
                                                rnd((N, NKV, HD), 27), rnd((N, NH, HD), 28))))
     inputs[source][NAN_AT[source]] = np.nan
-    got = _attention(queue, *inputs.values())
+    ops = ("dkv", "dq")
+    for kind in ops:
+        tuning.override("attention_bwd_" + kind, {"hd": HD}, dict(bwd_heuristic(queue.device, kind, HD), dc=dc))
+    try:
+        got = _attention(queue, *inputs.values())
+    finally:
+        for kind in ops:
+            tuning.override("attention_bwd_" + kind, {"hd": HD}, None)
     for name, where in _nan_pattern(source).items():
         _nan_exactly(got[name], where, f"{name} (NaN in {source})")
