@@ -145,7 +145,9 @@ def run_attention(queue):
     windows, window, nh, nkv = 2, 17, 4, 2  # 17 rows: a partial query and key block in every tile below
     small = {"bq": 8, "rq": 2, "tx": 2, "bk": 8, "vw": 1, "dc": 8, "kc": 4}
     cpu = {"bq": 16, "rq": 4, "tx": 4, "bk": 16, "vw": 4, "dc": 32, "kc": 16}
-    for hd in (8, 16):  # dc = 8: Q resident at hd 8, staged in chunks at hd 16
+    # forward dc = 8: Q resident at hd 8, staged in chunks at hd 16; backward: dc = 4 (step 2
+    # restages), and the heuristic's dc = hd (step 2 reads step 1's tiles)
+    for hd in (8, 16):
         bwd = {"wg": 8, "bq": 8, "bk": 8, "sq": 2, "sk": 4, "dc": 4, "jc": 4, "tr": 2, "td": hd // 2, "vw": 1}
         n = windows * window
         q, k, v, do = rnd((n, nh, hd), 31, 1.0), rnd((n, nkv, hd), 32, 1.0), rnd((n, nkv, hd), 33, 1.0), rnd(
