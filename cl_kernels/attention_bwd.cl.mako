@@ -14,7 +14,8 @@
 //      (c = scale·log2 e) and dS = P·(dP − D)·scale go to local memory.
 //   2. A register tile of TR rows × TD head-dim columns per work-item
 //      accumulates a product with those coefficients, the other operand
-//      staged JC rows (all HD columns) at a time:
+//      staged JC rows (all HD columns) at a time, or, when step 1 staged the
+//      whole head dim (DC = HD), read where step 1 left it:
 //      dkv: dV += Pᵀ·dO, dK += dSᵀ·Q over the query rows (P, dS as [q][k]);
 //      dq:  dQ += dS·K over the keys (dS stored transposed, [k][q]).
 // dkv: one group per (key block, window, kv head), key blocks in order so the
