@@ -5,8 +5,10 @@ of the family's parameter lists (ordered; the first list varies slowest) that
 passes the family's restrictions is set through ``clops.tuning.override`` and run
 through the public op, so the sweep never reaches into a kernel:
 
-1. the op's outputs are checked against ``clops.reference`` (float64); a wrong
-   result is reported and skipped, and so is a configuration the op rejects or
+1. the op's outputs are checked against ``clops.reference`` (float64) — on the
+   timed problem, or with ``--check-small`` on the family's small problem of the
+   same shape class, which is much faster for full-size memory-bound problems; a
+   wrong result is reported and skipped, and so is a configuration the op rejects or
    that fails to build or launch (LimitError, ValueError, BuildError, OpenCL
    errors), each with its reason;
 2. the op is timed from profiling events: warm-up calls, then ``--runs`` (≥ 7)
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -61,10 +64,14 @@ class Case:
     """One problem ready to run: ``call()`` enqueues the op and returns its outputs in the order of ``want``."""
 
     call: object
-    want: tuple
+    reference: object  # () -> the float64 outputs (computed when first needed, then kept as ``want``)
     tol: tuple  # relative L2 tolerance of each output
     unit: str  # "GB/s" or "TFLOP/s"
     work: float  # bytes read + written, or FLOPs, per call
+
+    @functools.cached_property
+    def want(self):
+        return self.reference()
 
 
 @dataclasses.dataclass
@@ -104,7 +111,8 @@ def _elementwise(queue, sc, pb):
     def call():
         return (clops.swiglu(queue, da, db, allocator=pool), *clops.swiglu_bwd(queue, da, db, ddc, allocator=pool))
 
-    return Case(call, (ref.swiglu(a, b), *ref.swiglu_bwd(a, b, dc)), (FWD, BWD, BWD), "GB/s", _nbytes(*[shape] * 8))
+    return Case(call, lambda: (ref.swiglu(a, b), *ref.swiglu_bwd(a, b, dc)), (FWD, BWD, BWD), "GB/s",
+                _nbytes(*[shape] * 8))
 
 
 # ---- RMSNorm rows (forward + backward) and the gain gradient ----
@@ -119,15 +127,18 @@ def _rms_norm(queue, sc, pb):
     d = sc["d"]
     (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
     pool = _pool(queue)
-    y, inv = ref.rms_norm(x, w)
 
     def call():
         y_, inv_ = clops.rms_norm(queue, dx_, dw_, allocator=pool)
         return y_, inv_, clops.rms_norm_bwd(queue, dx_, dw_, inv_, ddy, allocator=pool)
 
+    def reference():
+        y, inv = ref.rms_norm(x, w)
+        return y, inv, ref.rms_norm_bwd(x, w, inv, dy)
+
     n = pb["rows"]
     work = _nbytes((n, d), (d,), (n, d), (n,)) + _nbytes((n, d), (d,), (n,), (n, d), (n, d))
-    return Case(call, (y, inv, ref.rms_norm_bwd(x, w, inv, dy)), (FWD, FWD, BWD), "GB/s", work)
+    return Case(call, reference, (FWD, FWD, BWD), "GB/s", work)
 
 
 def _rms_norm_dw(queue, sc, pb):
@@ -137,7 +148,7 @@ def _rms_norm_dw(queue, sc, pb):
     (dinv,) = _upload(queue, inv.astype(np.float32))
     pool = _pool(queue)
     return Case(lambda: (clops.rms_norm_dw(queue, dx_, dinv, ddy, allocator=pool),),
-                (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), (BWD,), "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
+                lambda: (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), (BWD,), "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
 
 
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
@@ -159,7 +170,7 @@ def _attention_fwd(queue, sc, pb):
     dq, dk, dv = _upload(queue, q, k, v)
     pool = _pool(queue)
     return Case(lambda: clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool),
-                ref.attention(q, k, v, window=pb["window"]), (ATTENTION, FWD), "TFLOP/s",
+                lambda: ref.attention(q, k, v, window=pb["window"]), (ATTENTION, FWD), "TFLOP/s",
                 attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
@@ -176,7 +187,7 @@ def _attention_bwd_case(queue, sc, pb, products):
     dev_args = _upload(queue, q, k, v, o, lse, do)
     pool = _pool(queue)
     return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], allocator=pool),
-                ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), (BWD,) * 3, "TFLOP/s",
+                lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), (BWD,) * 3, "TFLOP/s",
                 products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
@@ -194,15 +205,18 @@ def _qk_norm_rope(queue, sc, pb):
     rope = ref.rope_table(window, hd // 4)
     dx_, dw_, ddy, drope = _upload(queue, x, w, dy, rope)
     pool = _pool(queue)
-    y, inv = ref.qk_norm_rope(x, w, rope)
 
     def call():
         y_, inv_ = clops.qk_norm_rope(queue, dx_, dw_, drope, allocator=pool)
         return (y_, inv_, *clops.qk_norm_rope_bwd(queue, dx_, dw_, inv_, drope, ddy, allocator=pool))
 
+    def reference():
+        y, inv = ref.qk_norm_rope(x, w, rope)
+        return (y, inv, *ref.qk_norm_rope_bwd(x, w, inv, rope, dy))
+
     shape = (n, heads, hd)
     work = _nbytes(shape, (hd,), shape, (n, heads)) + _nbytes(shape, (hd,), (n, heads), shape, shape, (hd,))
-    return Case(call, (y, inv, *ref.qk_norm_rope_bwd(x, w, inv, rope, dy)), (FWD, FWD, BWD, BWD), "GB/s", work)
+    return Case(call, reference, (FWD, FWD, BWD, BWD), "GB/s", work)
 
 
 def _bwd_derive(kind):
@@ -340,12 +354,12 @@ def _key(params):
     return json.dumps(params, sort_keys=True)
 
 
-def header(fam, dev, sc, problem, space):
+def header(fam, dev, sc, problem, space, check_problem=None):
     platform, name, driver = runtime.device_identity(dev)
     return {"tool": "clops tune", "op": fam.op, "shape_class": sc,
             "device": {"platform": platform, "name": name, "driver": driver, "key": tuning.device_key(dev)},
             "template_hash": template_hash(fam.templates), "templates": list(fam.templates),
-            "problem": problem, "params": list(space)}
+            "problem": problem, "check_problem": check_problem or problem, "params": list(space)}
 
 
 def load_results(path, head):
@@ -362,7 +376,7 @@ def load_results(path, head):
     if oh.get("template_hash") != head["template_hash"]:
         raise ValueError(f"{path} was made with other template text ({', '.join(head['templates'])} changed "
                          "since): refusing to resume (pass --fresh to start over, or another --out)")
-    for field in ("op", "shape_class", "problem", "params"):
+    for field in ("op", "shape_class", "problem", "check_problem", "params"):
         if oh.get(field) != head[field]:
             raise ValueError(f"{path} was made for {field} {oh.get(field)!r}, this sweep has {head[field]!r}: "
                              "refusing to resume (pass --fresh to start over, or another --out)")
@@ -381,19 +395,21 @@ def _reason(e):
     return f"{type(e).__name__}: {text}"
 
 
-def evaluate(queue, fam, case, sc, params, runs, warmup):
+def evaluate(queue, fam, case, sc, params, runs, warmup, check=None):
     """The result of one configuration: status ok | wrong | failed, with its reason or figures.
-    ``params`` None: the configuration the op uses without an override (database or heuristic)."""
+    ``params`` None: the configuration the op uses without an override (database or heuristic).
+    Correctness is checked on ``check`` (another problem of the shape class) when given, else on ``case``."""
     dev = queue.device
+    check = check or case
     if params is not None:
         tuning.override(fam.op, sc, params, device=dev)
     try:
         with Profile(queue) as prof:
-            outs = case.call()
-        errs = [ref.rel_err(o.get(), w) for o, w in zip(outs, case.want)]
+            outs = check.call()
+        errs = [ref.rel_err(o.get(), w) for o, w in zip(outs, check.want)]
         used = {r.name: {k: v for k, v in r.params.items() if k != "checked"} for r in prof.launches}
         bad = [f"output {i}: rel err {e:.2e} > {t:.0e}"
-               for i, (e, t) in enumerate(zip(errs, case.tol)) if not e <= t]
+               for i, (e, t) in enumerate(zip(errs, check.tol)) if not e <= t]
         err = max(errs)
         if bad:
             return {"params": params, "status": "wrong", "err": err, "used": used, "reason": "; ".join(bad)}
@@ -426,13 +442,14 @@ def _fmt(params):
 
 
 def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, restrict=True, sample=None, seed=0,
-          budget_s=None, fresh=False, out=print):
+          budget_s=None, fresh=False, check_problem=None, out=print):
     """Run (or resume) a sweep; returns (header, results, current). Results are in the file after every
-    configuration; ``current`` is the op's configuration without an override, timed in this run."""
+    configuration; ``current`` is the op's configuration without an override, timed in this run.
+    ``check_problem``: check correctness on that problem instead of the timed one."""
     if runs < MIN_RUNS:
         raise ValueError(f"runs: at least {MIN_RUNS} timed runs, got {runs}")
     dev = queue.device
-    head = header(fam, dev, sc, problem, space)
+    head = header(fam, dev, sc, problem, space, check_problem)
     results = [] if fresh or not Path(path).exists() else load_results(path, head)
     configs, left_out = configurations(space, fam.restrictions if restrict else (), dev, sc, fam.derive)
     for text, count in left_out.items():
@@ -445,7 +462,8 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
     out(f"{fam.op} {tuning.shape_key(sc) or '(no shape class)'} on {dev.name.strip()}: {len(configs)} "
         f"configurations, {len(configs) - len(todo)} already in {path}, problem {problem}")
     case = fam.prepare(queue, sc, problem)
-    current = evaluate(queue, fam, case, sc, None, runs, warmup)
+    check = fam.prepare(queue, sc, check_problem) if check_problem else None
+    current = evaluate(queue, fam, case, sc, None, runs, warmup, check)
     out(f"current configuration ({tuning.lookup(dev, fam.op, sc)[1] or 'heuristic'}): " + _outcome(current))
     best = min((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"], default=None)
     start = time.monotonic()
@@ -453,7 +471,7 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
         if budget_s is not None and time.monotonic() - start > budget_s:
             out(f"time budget of {budget_s} s spent: stopping; run again to resume")
             break
-        r = evaluate(queue, fam, case, sc, params, runs, warmup)
+        r = evaluate(queue, fam, case, sc, params, runs, warmup, check)
         results.append(r)
         _write(path, head, results)
         if r["status"] == "ok" and (best is None or r["ms"] < best["ms"]):
@@ -554,6 +572,9 @@ def main(argv=None, queue=None):
     p.add_argument("--param", action="append", metavar="NAME=V1,V2",
                    help="candidates of one parameter, in order (replaces the family's list)")
     p.add_argument("--small", action="store_true", help="small default problem (CPUs)")
+    p.add_argument("--check-small", action="store_true",
+                   help="check each configuration on the small problem instead of the timed one (the "
+                        "float64 check of a full-size memory-bound problem takes seconds per configuration)")
     p.add_argument("--runs", type=int, default=MIN_RUNS, help=f"timed runs per configuration (≥ {MIN_RUNS})")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
     p.add_argument("--out", help="results file (default: clops-tune-<op>-<class>-<device>.json here)")
@@ -589,7 +610,7 @@ def main(argv=None, queue=None):
     try:
         head, results, current = sweep(queue, fam, sc, problem, space, path, runs=a.runs, warmup=a.warmup,
                               restrict=not a.no_restrictions, sample=a.sample, seed=a.seed, budget_s=a.budget_s,
-                              fresh=a.fresh)
+                              fresh=a.fresh, check_problem=fam.problem(sc, True) if a.check_small else None)
     except KeyboardInterrupt:
         if Path(path).exists():
             with open(path) as f:

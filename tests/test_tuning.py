@@ -184,6 +184,21 @@ def test_attention_sweep_interrupted_resumed_saved(queue, tuning_dirs, tmp_path,
     assert {n: used[n] for n in best["params"]} == best["params"]  # the op now runs the saved configuration
 
 
+def test_check_on_the_small_problem(queue, tuning_dirs, tmp_path, monkeypatch, capsys):
+    _planted_miscompile(monkeypatch)
+    path = tmp_path / "sweep.json"
+    timed = ["--size", "windows=1", "--size", "window=40", "--size", "nh=4", "--size", "nkv=2"]
+    assert tune.main([a for a in ATTN if a != "--small"] + timed + ["--check-small", "--out", str(path)],
+                     queue=queue) == 0
+    data = json.loads(path.read_text())
+    assert data["header"]["problem"] == {"windows": 1, "window": 40, "nh": 4, "nkv": 2}
+    assert data["header"]["check_problem"] == tune.FAMILIES["attention_fwd"].problem({"hd": 32}, True)
+    for r in data["results"]:  # the planted wrong configurations are caught on the check problem
+        p = r["params"]
+        want = "failed" if p["rq"] == 3 else "wrong" if (p["bk"], p["bq"]) == (32, 16) else "ok"
+        assert r["status"] == want, r
+
+
 def test_resume_refused_on_other_device_or_template(queue, tmp_path, monkeypatch, capsys):
     path = tmp_path / "ew.json"
     args = ["elementwise", "--small", "--size", "rows=4", "--size", "width=100", "--param", "wg=16",
