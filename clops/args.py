@@ -83,3 +83,8 @@ def finite_float(name, value):
 def index_type(*sizes):
     """'uint' when every index fits 32 bits (cheaper on GPUs), else 'ulong'."""
     return "uint" if max(sizes) < 2**32 else "ulong"
+
+
+def index_scalar(idx):
+    """The numpy type of a kernel argument of OpenCL type ``idx`` (from :func:`index_type`)."""
+    return np.uint32 if idx == "uint" else np.uint64

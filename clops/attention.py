@@ -79,7 +79,7 @@ def fwd_heuristic(dev, hd):
     while _fwd_local_bytes(hd, p) > dev.local_mem_size and p["bk"] > p["tx"]:
         p["bk"] //= 2
         p["kc"] = min(p["kc"], p["bk"])
-    while _fwd_wg(p) > dev.max_work_group_size and p["bq"] > p["rq"]:
+    while fwd_wg(p) > dev.max_work_group_size and p["bq"] > p["rq"]:
         p["bq"] //= 2
     return p
 
@@ -89,7 +89,8 @@ def _fwd_hdp(hd, p):
     return -(-hd // step) * step
 
 
-def _fwd_wg(p):
+def fwd_wg(p):
+    """Work-items of a forward group: ``tx`` across keys times ``bq / rq`` across rows."""
     return p["tx"] * (p["bq"] // p["rq"])
 
 
@@ -107,29 +108,39 @@ def fwd_params(dev, hd):
     return fwd_check(dev, hd, tuning.choose(dev, "attention_fwd", {"hd": hd}, lambda: fwd_heuristic(dev, hd)))
 
 
-def fwd_check(dev, hd, p):
-    """``p`` if ``dev`` can run the forward with it at head dim ``hd``; else LimitError saying why."""
-    names = ("bq", "rq", "tx", "bk", "vw", "dc", "kc")
+def _check_tiles(dev, what, p, names, rules, wg, wg_text, local_bytes):
+    """``p`` if ``dev`` can run ``what`` with it; else LimitError saying why. In order: ``names`` are
+    positive ints, ``rules(p)`` ((holds, text), ...) hold, ``wg(p)`` work-items (``wg_text`` says how
+    they are counted) and ``local_bytes(p)`` bytes of local memory fit the device."""
     if sorted(p) != sorted(names) or not all(isinstance(p[x], int) and p[x] > 0 for x in names):
-        raise LimitError(f"attention_fwd hd={hd}: parameters must be positive ints named {names}, got {p}")
-    rules = (
+        raise LimitError(f"{what}: parameters must be positive ints named {names}, got {p}")
+    for ok, rule in rules(p):
+        if not ok:
+            raise LimitError(f"{what} {p}: {rule}")
+    if wg(p) > dev.max_work_group_size:
+        raise LimitError(f"{what} {p}: {wg(p)} work-items{wg_text} exceed the device's "
+                         f"CL_DEVICE_MAX_WORK_GROUP_SIZE ({dev.max_work_group_size})")
+    need = local_bytes(p)
+    if need > dev.local_mem_size:
+        raise LimitError(f"{what} {p}: needs {need} bytes of local memory, "
+                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
+    return p
+
+
+def _fwd_rules(p):
+    return (
         (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
         (p["bq"] % p["rq"] == 0, "bq must be a multiple of rq"),
         (p["bk"] % p["tx"] == 0, "bk must be a multiple of tx"),
         (p["bk"] % p["kc"] == 0, "kc must divide bk"),
         (p["dc"] % p["vw"] == 0, "dc must be a multiple of vw"),
     )
-    for ok, rule in rules:
-        if not ok:
-            raise LimitError(f"attention_fwd hd={hd} {p}: {rule}")
-    if _fwd_wg(p) > dev.max_work_group_size:
-        raise LimitError(f"attention_fwd hd={hd} {p}: {_fwd_wg(p)} work-items (tx·bq/rq) exceed the device's "
-                         f"CL_DEVICE_MAX_WORK_GROUP_SIZE ({dev.max_work_group_size})")
-    need = _fwd_local_bytes(hd, p)
-    if need > dev.local_mem_size:
-        raise LimitError(f"attention_fwd hd={hd} {p}: needs {need} bytes of local memory, "
-                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
-    return p
+
+
+def fwd_check(dev, hd, p):
+    """``p`` if ``dev`` can run the forward with it at head dim ``hd``; else LimitError saying why."""
+    return _check_tiles(dev, f"attention_fwd hd={hd}", p, ("bq", "rq", "tx", "bk", "vw", "dc", "kc"), _fwd_rules,
+                        fwd_wg, " (tx·bq/rq)", lambda p: _fwd_local_bytes(hd, p))
 
 
 def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_for=None, allocator=None):
@@ -143,7 +154,7 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
     out = output("out", out, queue, (n, nh, hd), allocator)
     lse = output("lse", lse, queue, (n, nh), allocator)
     idx = index_type(n * nh * hd)
-    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx=idx), work_group_size=_fwd_wg(p))["attention_fwd"]
+    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx=idx), work_group_size=fwd_wg(p))["attention_fwd"]
     nqb = -(-window // p["bq"])
     args = [q.data, k.data, v.data, out.data, lse.data, np.uint32(window), np.uint32(nh), np.uint32(nh // nkv),
             np.float32(scale * LOG2E)]
@@ -250,20 +261,8 @@ def bwd_params(dev, kind, hd):
 
 def bwd_check(dev, kind, hd, p):
     """``p`` if ``dev`` can run the ``kind`` pass with it at head dim ``hd``; else LimitError saying why."""
-    op = "attention_bwd_" + kind
-    if sorted(p) != sorted(BWD_NAMES) or not all(isinstance(p[x], int) and p[x] > 0 for x in BWD_NAMES):
-        raise LimitError(f"{op} hd={hd}: parameters must be positive ints named {BWD_NAMES}, got {p}")
-    for ok, rule in _bwd_rules(kind, hd, p):
-        if not ok:
-            raise LimitError(f"{op} hd={hd} {p}: {rule}")
-    if p["wg"] > dev.max_work_group_size:
-        raise LimitError(f"{op} hd={hd} {p}: {p['wg']} work-items exceed the device's "
-                         f"CL_DEVICE_MAX_WORK_GROUP_SIZE ({dev.max_work_group_size})")
-    need = _bwd_local_bytes(kind, hd, p)
-    if need > dev.local_mem_size:
-        raise LimitError(f"{op} hd={hd} {p}: needs {need} bytes of local memory, "
-                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
-    return p
+    return _check_tiles(dev, f"attention_bwd_{kind} hd={hd}", p, BWD_NAMES, lambda p: _bwd_rules(kind, hd, p),
+                        lambda p: p["wg"], "", lambda p: _bwd_local_bytes(kind, hd, p))
 
 
 def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, dq=None, dk=None, dv=None, wait_for=None,

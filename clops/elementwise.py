@@ -6,7 +6,7 @@ import numpy as np
 import pyopencl as cl
 
 from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_type, output
+from .args import check_array, check_queue, events, finite_float, index_scalar, index_type, output
 from .program import kernels
 
 TEMPLATE = "elementwise.cl.mako"
@@ -27,7 +27,7 @@ def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
     per_group = p["wg"] * p["ept"] * p["vw"]
     idx = index_type(n + per_group)
     knl = kernels(queue, TEMPLATE, dict(p, idx=idx), work_group_size=p["wg"])[name]
-    itype = np.uint32 if idx == "uint" else np.uint64
+    itype = index_scalar(idx)
     args = [a.data for a in (*outs, *ins, *gathers)] + [itype(n)]
     args += [itype(s) if isinstance(s, int) else np.float32(s) for s in scalars]
     evt = knl(queue, (-(-n // per_group),), args, wait_for=events(wait_for, *outs, *ins, *gathers))

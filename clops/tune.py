@@ -51,7 +51,7 @@ import clops
 from . import reference as ref
 from . import runtime, tuning
 from .profile import Profile, measure
-from .attention import bwd_check, fwd_check
+from .attention import bwd_check, fwd_check, fwd_wg
 from .program import KERNEL_DIR, LimitError
 
 MIN_RUNS = 7
@@ -300,7 +300,7 @@ FAMILIES = {
         lambda sc: {"bq": [16, 32, 64, 128], "rq": [1, 2, 4, 8], "tx": [4, 8, 16, 32], "bk": [16, 32, 64, 128],
                     "vw": [1, 2, 4], "dc": [16, 32, 64], "kc": [8, 16, 32]},
         (_divides("rq", "bq"), _divides("tx", "bk"), _divides("kc", "bk"), _divides("vw", "dc"),
-         _wg_fits(lambda p: p["tx"] * p["bq"] // p["rq"]),
+         _wg_fits(fwd_wg),
          ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _accepted_by(fwd_check))),
         _attention_problem, _attention_fwd, "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_bwd_dkv": _bwd_family("dkv"),

@@ -85,10 +85,10 @@ def _qk_units(queue, small=4, big=50, hd=32, heads=2):
 
 def _attention_window(queue, small=8, big=40, nh=2, hd=8):
     """attention_fwd told of a window of 40 tokens, given 8."""
-    from clops.attention import FWD_TEMPLATE, _fwd_wg, fwd_params
+    from clops.attention import FWD_TEMPLATE, fwd_wg, fwd_params
 
     p = fwd_params(queue.device, hd)
-    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx="uint"), work_group_size=_fwd_wg(p))["attention_fwd"]
+    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx="uint"), work_group_size=fwd_wg(p))["attention_fwd"]
     q, kv, o, lse = _zeros(queue, small, nh, hd), _zeros(queue, small, 1, hd), _zeros(queue, small, nh, hd), _zeros(
         queue, small, nh)
     args = [q.data, kv.data, kv.data, o.data, lse.data, np.uint32(big), np.uint32(nh), np.uint32(nh), np.float32(1)]
