@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_type, output
+from .args import check_array, check_queue, events, finite_float, index_scalar, index_type, output
 from .program import kernels
 
 TEMPLATE = "rms_norm.cl.mako"
@@ -88,11 +88,12 @@ def dw_params(dev, d):
     return p
 
 
-def _gain_offset(gemma):
+def gain_offset(gemma):
+    """The kernels' w_offset: gains are ``w + offset`` (1 for gemma-style gains)."""
     return np.float32(1.0 if gemma else 0.0)
 
 
-def _eps(eps):
+def check_eps(eps):
     eps = finite_float("eps", eps)
     if eps < 0:
         raise ValueError(f"eps: must be ≥ 0, got {eps}")
@@ -108,21 +109,20 @@ def _row_kernel(queue, name, n, d):
     p = row_params(queue.device, d)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
     knl = kernels(queue, TEMPLATE, dict(p, kind="rows", idx=idx), work_group_size=p["wg"])[name]
-    itype = np.uint32 if idx == "uint" else np.uint64
-    sizes = [itype(n), np.uint32(d // p["vw"]), np.float32(d)]
+    sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
     return knl, (-(-n // p["rpg"]),), sizes
 
 
 def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for=None, allocator=None):
     """``(y, inv)``: RMSNorm of ``x [n, d]`` with gain ``w [d]``; ``inv [n]`` = 1/rms of each row."""
     check_queue(queue)
-    eps = _eps(eps)
+    eps = check_eps(eps)
     n, d = _check_x(queue, x)
     check_array("w", w, queue, shape=(d,))
     y = output("out", out, queue, (n, d), allocator)
     inv = output("inv", inv, queue, (n,), allocator)
     knl, groups, sizes = _row_kernel(queue, "rms_norm_fwd", n, d)
-    evt = knl(queue, groups, [y.data, inv.data, x.data, w.data, *sizes, eps, _gain_offset(gemma)],
+    evt = knl(queue, groups, [y.data, inv.data, x.data, w.data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, y, inv, x, w))
     y.add_event(evt)
     inv.add_event(evt)
@@ -136,14 +136,14 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
     catastrophically in float32 and ``dx = w_eff·dy·eps·inv³`` is used instead.
     """
     check_queue(queue)
-    eps = _eps(eps)
+    eps = check_eps(eps)
     n, d = _check_x(queue, x)
     check_array("w", w, queue, shape=(d,))
     check_array("inv", inv, queue, shape=(n,))
     check_array("dy", dy, queue, shape=(n, d))
     dx = output("dx", dx, queue, (n, d), allocator)
     knl, groups, sizes = _row_kernel(queue, "rms_norm_bwd", n, d)
-    evt = knl(queue, groups, [dx.data, x.data, w.data, inv.data, dy.data, *sizes, eps, _gain_offset(gemma)],
+    evt = knl(queue, groups, [dx.data, x.data, w.data, inv.data, dy.data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, dx, x, w, inv, dy))
     dx.add_event(evt)
     return dx
@@ -175,10 +175,9 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     p, idx, knl = _dw_kernels(queue, n, d)
     blocks = -(-n // p["rb"])
     partial = output("partial", None, queue, (blocks, d), allocator)  # scratch: per-block column sums
-    itype = np.uint32 if idx == "uint" else np.uint64
     dv = d // p["vw"]
     evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),
-                                     [partial.data, x.data, inv.data, dy.data, itype(n), np.uint32(dv)],
+                                     [partial.data, x.data, inv.data, dy.data, index_scalar(idx)(n), np.uint32(dv)],
                                      wait_for=events(wait_for, x, inv, dy))
     dw.add_event(evt)  # both stages' events: the profile of dw covers its two kernels
     dw.add_event(column_sum(queue, partial, dw, accumulate, wait_for=[evt]))

@@ -24,8 +24,8 @@ import numpy as np
 import pyopencl.array as cla
 
 from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_type, output, positive_int
-from .norm import check_params, column_sum, pow2_ceil, vector_width
+from .args import check_array, check_queue, events, index_scalar, index_type, output, positive_int
+from .norm import check_eps, check_params, column_sum, gain_offset, pow2_ceil, vector_width
 from .program import LimitError, kernels
 
 TEMPLATE = "qk_norm_rope.cl.mako"
@@ -41,6 +41,11 @@ def heuristic(dev, hd):
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "rb": 32 * (wg // tpu)}
 
 
+def local_bytes(hd, p):
+    """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch."""
+    return 4 * (p["upg"] * hd + p["wg"])
+
+
 def params_for(dev, hd):
     """Template parameters at head dim ``hd`` (rotary half not included)."""
     p = check_params("qk_norm_rope", tuning.choose(dev, "qk_norm_rope", {"hd": hd}, lambda: heuristic(dev, hd)),
@@ -49,7 +54,7 @@ def params_for(dev, hd):
         raise ValueError(f"qk_norm_rope parameters {p}: upg must divide wg and rb")
     p["vw"] = vector_width(p["vw"], hd)
     p["ch"] = -(-hd // (p["vw"] * (p["wg"] // p["upg"])))
-    local = 4 * (p["upg"] * hd + p["wg"])
+    local = local_bytes(hd, p)
     if local > dev.local_mem_size:
         raise LimitError(f"qk_norm_rope {p} at hd={hd}: needs {local} bytes of local memory, "
                          f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
@@ -102,24 +107,21 @@ def _kernel(queue, name, units, hd, half):
     p = params_for(queue.device, hd)
     idx = index_type(units * hd + p["rb"] * hd)
     knl = kernels(queue, TEMPLATE, dict(p, hd=hd, half=half, idx=idx), work_group_size=p["wg"])[name]
-    itype = np.uint32 if idx == "uint" else np.uint64
-    return p, knl, itype(units)
+    return p, knl, index_scalar(idx)(units)
 
 
 def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=None, inv=None, wait_for=None,
                  allocator=None):
     """``(y, inv)``: per-head RMSNorm of ``x`` then RoPE; ``inv [n, heads]`` = 1/rms per unit."""
     check_queue(queue)
-    eps = finite_float("eps", eps)
-    if eps < 0:
-        raise ValueError(f"eps: must be ≥ 0, got {eps}")
+    eps = check_eps(eps)
     n, heads, hd = _geometry(queue, x, w)
     half, window, rope = _rope(queue, rope, hd, window)
     y = output("out", out, queue, x.shape, allocator)
     inv = output("inv", inv, queue, (n, heads), allocator)
     p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half)
     args = [y.data, inv.data, x.data, w.data] + ([rope.data] if half else [])
-    args += [units, np.uint32(heads), np.uint32(window), np.float32(eps), np.float32(1.0 if gemma else 0.0)]
+    args += [units, np.uint32(heads), np.uint32(window), eps, gain_offset(gemma)]
     evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope))
     y.add_event(evt)
     inv.add_event(evt)
@@ -144,7 +146,7 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
     blocks = -(-int(units) // p["rb"])
     partial = output("partial", None, queue, (blocks, hd), allocator)  # scratch: per-block column sums
     args = [dx.data, partial.data, x.data, w.data, inv.data] + ([rope.data] if half else [])
-    args += [dy.data, units, np.uint32(heads), np.uint32(window), np.float32(1.0 if gemma else 0.0)]
+    args += [dy.data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
     evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
     dx.add_event(evt)
     dw.add_event(evt)  # both stages' events: the profile of dw covers its two kernels

@@ -49,7 +49,7 @@ import pyopencl.tools as cl_tools
 import clops
 
 from . import reference as ref
-from . import runtime, tuning
+from . import qk_norm_rope, runtime, tuning
 from .profile import Profile, measure
 from .attention import bwd_check, fwd_check, fwd_wg
 from .program import KERNEL_DIR, LimitError
@@ -310,7 +310,7 @@ FAMILIES = {
         lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "upg": [1, 2, 4, 8], "rb": [8, 16, 32, 64]},
         (_wg_fits(lambda p: p["wg"]), _divides("upg", "wg"), _divides("upg", "rb"),
          ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE",
-          lambda p, dev, sc: 4 * (p["upg"] * sc["hd"] + p["wg"]) <= dev.local_mem_size)),
+          lambda p, dev, sc: qk_norm_rope.local_bytes(sc["hd"], p) <= dev.local_mem_size)),
         lambda sc, small: {"rows": 128 if small else _TOKENS, "heads": 4 if small else 16, "window": 64 if small
                            else 4096},
         _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd], rotary half hd/4"),
