@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 
 import numpy as np
 import pyopencl as cl

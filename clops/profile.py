@@ -78,13 +78,18 @@ class Profile:
         if queue == self.queue:
             self.counts[what] += amount
 
-    def span_ms(self, kernels=None):
-        """Device time from the first recorded kernel's start to the last one's end (only those named in
-        ``kernels``, if given)."""
+    def _selected(self, kernels):
+        """The recorded launches (only of the kernels named in ``kernels``, if given); ValueError if none."""
         launches = [r for r in self.launches if kernels is None or r.name in kernels]
         if not launches:
             raise ValueError(f"profile: no clops kernel{' of ' + ', '.join(kernels) if kernels else ''} "
                              "was enqueued on this queue")
+        return launches
+
+    def span_ms(self, kernels=None):
+        """Device time from the first recorded kernel's start to the last one's end (only those named in
+        ``kernels``, if given)."""
+        launches = self._selected(kernels)
         cl.wait_for_events([r.event for r in launches])
         start = min(r.event.profile.start for r in launches)
         return (max(r.event.profile.end for r in launches) - start) * 1e-6
@@ -92,11 +97,7 @@ class Profile:
     def kernel_ms(self, kernels=None):
         """Summed device time of the recorded kernels (only those named in ``kernels``, if given): the
         gaps between kernels, where the device waits for the host to enqueue, are not counted."""
-        launches = [r for r in self.launches if kernels is None or r.name in kernels]
-        if not launches:
-            raise ValueError(f"profile: no clops kernel{' of ' + ', '.join(kernels) if kernels else ''} "
-                             "was enqueued on this queue")
-        return sum(r.ms for r in launches)
+        return sum(r.ms for r in self._selected(kernels))
 
     def summary(self):
         """[(kernel name, calls, total ms, mean ms, share of all kernel time)], longest first."""

@@ -92,19 +92,17 @@ def all_devices():
     return out
 
 
-_TYPE_RANK = {cl.device_type.GPU: 0, cl.device_type.ACCELERATOR: 1, cl.device_type.CPU: 2}
+# Device types in the order they are preferred, with the names clops prints.
+_TYPES = ((cl.device_type.GPU, "GPU"), (cl.device_type.ACCELERATOR, "accelerator"), (cl.device_type.CPU, "CPU"))
 
 
 def device_kind(dev):
     """'GPU', 'accelerator', 'CPU' or 'other' (drivers may set extra type bits)."""
-    for t, name in ((cl.device_type.GPU, "GPU"), (cl.device_type.ACCELERATOR, "accelerator"), (cl.device_type.CPU, "CPU")):
-        if dev.type & t:
-            return name
-    return "other"
+    return next((name for t, name in _TYPES if dev.type & t), "other")
 
 
 def _type_rank(dev):
-    return min((r for t, r in _TYPE_RANK.items() if dev.type & t), default=3)
+    return next((rank for rank, (t, _) in enumerate(_TYPES) if dev.type & t), len(_TYPES))
 
 
 def select_device(selector=None):
