@@ -7,18 +7,15 @@ import pytest
 import clops
 from clops import reference as ref
 from clops.reference import rnd
+from helpers import to_device
 
 RUNS = 3
 
 
-def _dev(queue, *arrays):
-    return [cla.to_device(queue, a) for a in arrays]
-
-
 def _elementwise(queue):
     rows, width = 33, 257
-    a, b, dc = _dev(queue, rnd((rows, width), 1, 3.0), rnd((rows, width), 2, 2.0), rnd((rows, width), 3))
-    gate, rw = _dev(queue, rnd(width, 4), rnd(rows, 5))
+    a, b, dc = to_device(queue, rnd((rows, width), 1, 3.0), rnd((rows, width), 2, 2.0), rnd((rows, width), 3))
+    gate, rw = to_device(queue, rnd(width, 4), rnd(rows, 5))
     return {
         "swiglu": lambda: [clops.swiglu(queue, a, b)],
         "swiglu_bwd": lambda: clops.swiglu_bwd(queue, a, b, dc),
@@ -33,7 +30,7 @@ def _elementwise(queue):
 
 def _norm(queue):
     n, d = 300, 96
-    x, w, dy = _dev(queue, rnd((n, d), 6, 2.0), rnd(d, 7, 0.5), rnd((n, d), 8))
+    x, w, dy = to_device(queue, rnd((n, d), 6, 2.0), rnd(d, 7, 0.5), rnd((n, d), 8))
     _, inv = clops.rms_norm(queue, x, w)
     base = rnd(d, 9)
     return {
@@ -46,7 +43,7 @@ def _norm(queue):
 
 def _qk_norm_rope(queue):
     n, heads, hd, half = 40, 4, 64, 16
-    x, w, dy = _dev(queue, rnd((n, heads, hd), 10, 2.0), rnd(hd, 11, 0.5), rnd((n, heads, hd), 12))
+    x, w, dy = to_device(queue, rnd((n, heads, hd), 10, 2.0), rnd(hd, 11, 0.5), rnd((n, heads, hd), 12))
     rope = cla.to_device(queue, ref.rope_table(20, half))
     _, inv = clops.qk_norm_rope(queue, x, w, rope)
     return {
@@ -58,7 +55,7 @@ def _qk_norm_rope(queue):
 def _attention(queue):
     windows, window, nh, nkv, hd = 2, 67, 4, 2, 32
     n = windows * window
-    q, k, v, do = _dev(queue, rnd((n, nh, hd), 13), rnd((n, nkv, hd), 14), rnd((n, nkv, hd), 15),
+    q, k, v, do = to_device(queue, rnd((n, nh, hd), 13), rnd((n, nkv, hd), 14), rnd((n, nkv, hd), 15),
                        rnd((n, nh, hd), 16))
     o, lse = clops.attention(queue, q, k, v, window=window)
     return {

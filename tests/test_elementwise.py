@@ -8,19 +8,16 @@ import clops
 from clops import reference as ref
 from clops import tuning
 from clops.reference import rel_err, rnd
+from helpers import to_device
 
 TOL = 1e-6
 SIZES = [1, 3, 4, 5, 1023, 4097, 4 * 4 * 256 + 1]
 
 
-def _dev(queue, *arrays):
-    return [cla.to_device(queue, a) for a in arrays]
-
-
 @pytest.mark.parametrize("n", SIZES)
 def test_flat_ops_any_length(queue, n):
     a, b, dc = rnd(n, 1, 4.0), rnd(n, 2, 2.0), rnd(n, 3, 1.0)
-    A, B, DC = _dev(queue, a, b, dc)
+    A, B, DC = to_device(queue, a, b, dc)
     assert rel_err(clops.swiglu(queue, A, B).get(), ref.swiglu(a, b)) <= TOL
     assert rel_err(clops.sigmoid_gate(queue, A, B).get(), ref.sigmoid_gate(a, b)) <= TOL
     assert rel_err(clops.add(queue, A, B).get(), ref.add(a, b)) <= TOL
@@ -34,7 +31,7 @@ def test_flat_ops_any_length(queue, n):
 def test_row_and_column_ops(queue, rows, width):
     a, b, dc = rnd((rows, width), 4, 4.0), rnd((rows, width), 5, 2.0), rnd((rows, width), 6, 1.0)
     gate, rw = rnd(width, 7, 1.0), rnd(rows, 8, 1.0)
-    A, B, DC, G, RW = _dev(queue, a, b, dc, gate, rw)
+    A, B, DC, G, RW = to_device(queue, a, b, dc, gate, rw)
     assert rel_err(clops.swiglu_gated(queue, A, B, G).get(), ref.swiglu_gated(a, b, gate)) <= TOL
     for got, want in zip(clops.swiglu_gated_bwd(queue, A, B, G, DC), ref.swiglu_gated_bwd(a, b, gate, dc)):
         assert rel_err(got.get(), want) <= TOL
@@ -46,7 +43,7 @@ def test_row_and_column_ops(queue, rows, width):
 def test_clamp_is_applied(queue):
     """A limit inside the data range must change the result (the clamp cannot be a no-op)."""
     a, b = np.full((1, 8), 5.0, np.float32), np.full((1, 8), -5.0, np.float32)
-    A, B = _dev(queue, a, b)
+    A, B = to_device(queue, a, b)
     got = clops.swiglu_limit(queue, A, B, limit=1.0).get()
     np.testing.assert_allclose(got, ref.swiglu_limit(a, b, limit=1.0), rtol=1e-6)
     assert not np.allclose(got, ref.swiglu(a, b))
@@ -57,7 +54,7 @@ def test_clamp_is_applied(queue):
 def test_launch_parameters(queue, params):
     n = 3 * 1000 + 7
     a, b = rnd(n, 9, 3.0), rnd(n, 10, 3.0)
-    A, B = _dev(queue, a, b)
+    A, B = to_device(queue, a, b)
     tuning.override("elementwise", {}, params)
     try:
         got = clops.swiglu(queue, A, B).get()
@@ -68,7 +65,7 @@ def test_launch_parameters(queue, params):
 
 def test_outputs_written_into_given_arrays(queue):
     a, b = rnd((4, 9), 11), rnd((4, 9), 12)
-    A, B = _dev(queue, a, b)
+    A, B = to_device(queue, a, b)
     out = cla.empty(queue, (4, 9), np.float32)
     assert clops.add(queue, A, B, out=out) is out
     np.testing.assert_allclose(out.get(), a + b, rtol=1e-7)

@@ -11,14 +11,11 @@ from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
 from clops.reference import rel_err, rnd
-
-
-def _dev(queue, *arrays):
-    return [cla.to_device(queue, a) for a in arrays]
+from helpers import to_device
 
 
 def _parity(queue, x, w, dy, gemma, eps=1e-6):
-    X, W, DY = _dev(queue, x, w, dy)
+    X, W, DY = to_device(queue, x, w, dy)
     y, inv = clops.rms_norm(queue, X, W, eps=eps, gemma=gemma)
     wy, winv = ref.rms_norm(x, w, eps=eps, gemma=gemma)
     assert rel_err(y.get(), wy) <= 1e-6
@@ -51,12 +48,12 @@ def test_dw_adds_into_given_and_is_deterministic(queue):
     x, dy = rnd((n, d), 7, 2.0), rnd((n, d), 8, 1.0)
     _, inv = ref.rms_norm(x, rnd(d, 9, 1.0))
     inv = inv.astype(np.float32)
-    X, INV, DY = _dev(queue, x, inv, dy)
+    X, INV, DY = to_device(queue, x, inv, dy)
     first = clops.rms_norm_dw(queue, X, INV, DY).get()
     for _ in range(3):
         assert clops.rms_norm_dw(queue, X, INV, DY).get().tobytes() == first.tobytes()
     base = rnd(d, 10, 5.0)
-    (DW,) = _dev(queue, base)
+    (DW,) = to_device(queue, base)
     got = clops.rms_norm_dw(queue, X, INV, DY, dw=DW)
     assert got is DW
     assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv, dy)) <= 1e-5
@@ -90,7 +87,7 @@ def test_launch_parameters(queue, override, d, rows, dw):
 
 def test_parameters_the_device_cannot_hold(queue, override):
     override("rms_norm", 64, dict(wg=2 * queue.device.max_work_group_size, vw=4, rpg=1))
-    X, W = _dev(queue, rnd((4, 64), 1), rnd(64, 2))
+    X, W = to_device(queue, rnd((4, 64), 1), rnd(64, 2))
     with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
         clops.rms_norm(queue, X, W)
     override("rms_norm", 64, dict(wg=64, vw=4, rpg=3))
@@ -100,15 +97,15 @@ def test_parameters_the_device_cannot_hold(queue, override):
 
 def test_bad_input_is_rejected_before_anything_runs(queue):
     n, d = 5, 12
-    X, W, INV, DY = _dev(queue, rnd((n, d), 1), rnd(d, 2), rnd(n, 3), rnd((n, d), 4))
+    X, W, INV, DY = to_device(queue, rnd((n, d), 1), rnd(d, 2), rnd(n, 3), rnd((n, d), 4))
     sentinel = np.full(d, 7.0, np.float32)
-    DW, OUT, DX = _dev(queue, sentinel, np.full((n, d), 7.0, np.float32), np.full((n, d), 7.0, np.float32))
+    DW, OUT, DX = to_device(queue, sentinel, np.full((n, d), 7.0, np.float32), np.full((n, d), 7.0, np.float32))
     cases = [
         (ValueError, "dw", lambda: clops.rms_norm_dw(queue, X, INV, DY, dw=cla.zeros(queue, d + 1, np.float32))),
-        (ValueError, "dy", lambda: clops.rms_norm_dw(queue, X, INV, _dev(queue, rnd((n, d + 1), 5))[0], dw=DW)),
-        (ValueError, "inv", lambda: clops.rms_norm_dw(queue, X, _dev(queue, rnd(n + 1, 5))[0], DY, dw=DW)),
-        (ValueError, "w", lambda: clops.rms_norm(queue, X, _dev(queue, rnd(d - 1, 5))[0], out=OUT)),
-        (ValueError, "x", lambda: clops.rms_norm(queue, _dev(queue, rnd(n * d, 5))[0], W)),
+        (ValueError, "dy", lambda: clops.rms_norm_dw(queue, X, INV, to_device(queue, rnd((n, d + 1), 5))[0], dw=DW)),
+        (ValueError, "inv", lambda: clops.rms_norm_dw(queue, X, to_device(queue, rnd(n + 1, 5))[0], DY, dw=DW)),
+        (ValueError, "w", lambda: clops.rms_norm(queue, X, to_device(queue, rnd(d - 1, 5))[0], out=OUT)),
+        (ValueError, "x", lambda: clops.rms_norm(queue, to_device(queue, rnd(n * d, 5))[0], W)),
         (TypeError, "x", lambda: clops.rms_norm(queue, cla.to_device(queue, np.zeros((n, d))), W, out=OUT)),
         (TypeError, "w", lambda: clops.rms_norm_bwd(queue, X, np.zeros(d, np.float32), INV, DY, dx=DX)),
         (ValueError, "eps", lambda: clops.rms_norm(queue, X, W, eps=float("nan"), out=OUT)),
@@ -120,7 +117,7 @@ def test_bad_input_is_rejected_before_anything_runs(queue):
             call()
     ctx2 = cl.Context([queue.device])  # held: Intel's runtime drops a context only its queue references
     other = cl.CommandQueue(ctx2)
-    (X2,) = _dev(other, rnd((n, d), 1))
+    (X2,) = to_device(other, rnd((n, d), 1))
     with pytest.raises(ValueError, match="x: array belongs to another context"):
         clops.rms_norm(queue, X2, W, out=OUT)
     assert DW.get().tobytes() == sentinel.tobytes()
@@ -131,7 +128,7 @@ def test_checked_build_catches_out_of_range_rows(queue, monkeypatch):
     """The guards are in place: a launch for 5 rows over buffers of 2 raises in a checked build."""
     monkeypatch.setenv("CLOPS_CHECKED", "1")
     d = 64
-    X, W = _dev(queue, rnd((2, d), 1), rnd(d, 2))
+    X, W = to_device(queue, rnd((2, d), 1), rnd(d, 2))
     y, inv = cla.empty(queue, (2, d), np.float32), cla.empty(queue, 2, np.float32)
     knl, groups, sizes = norm._row_kernel(queue, "rms_norm_fwd", 5, d)
     with pytest.raises(OutOfBoundsError, match=r"rms_norm_fwd .*(x|y|inv_out)\["):

@@ -15,10 +15,7 @@ from clops.program import OutOfBoundsError
 
 qkr = importlib.import_module("clops.qk_norm_rope")  # the module; clops.qk_norm_rope is the op
 from clops.reference import rel_err, rnd
-
-
-def _dev(queue, *arrays):
-    return [cla.to_device(queue, a) for a in arrays]
+from helpers import to_device
 
 
 def _parity(queue, x, w, table, dy, gemma, window=None, flat=False):
@@ -26,7 +23,7 @@ def _parity(queue, x, w, table, dy, gemma, window=None, flat=False):
     table's length). ``flat``: pass x and dy as [n, heads·hd]."""
     n, heads, hd = x.shape
     shape = (n, heads * hd) if flat else x.shape
-    X, W, DY = _dev(queue, x.reshape(shape), w, dy.reshape(shape))
+    X, W, DY = to_device(queue, x.reshape(shape), w, dy.reshape(shape))
     rope = None if table is None else cla.to_device(queue, table)
     used = ref.rope_table(1, 0) if table is None else table[:window] if window else table
     y, inv = clops.qk_norm_rope(queue, X, W, rope, gemma=gemma, window=window)
@@ -71,7 +68,7 @@ def test_flat_layout_short_window_and_partial_window(queue):
 
 def test_empty_table_means_no_rotation(queue):
     x, w, _ = _data(6, 2, 16)
-    X, W = _dev(queue, x, w)
+    X, W = to_device(queue, x, w)
     empty = cla.to_device(queue, clops.rope_table(6, 0))
     y0, inv0 = clops.qk_norm_rope(queue, X, W, empty)
     y1, inv1 = clops.qk_norm_rope(queue, X, W, None)
@@ -92,13 +89,13 @@ def test_rows_of_zeros_and_large_values(queue, gemma):
 def test_dw_adds_into_given_and_is_deterministic(queue):
     x, w, dy = _data(40, 4, 128)
     table = ref.rope_table(10, 32)
-    X, W, DY, R = _dev(queue, x, w, dy, table)
+    X, W, DY, R = to_device(queue, x, w, dy, table)
     _, inv = clops.qk_norm_rope(queue, X, W, R)
     first = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY)[1].get()
     for _ in range(3):
         assert clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY)[1].get().tobytes() == first.tobytes()
     base = rnd(128, 3, 5.0)
-    (DW,) = _dev(queue, base)
+    (DW,) = to_device(queue, base)
     _, got = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, dw=DW)
     assert got is DW
     want = ref.qk_norm_rope_bwd(x, w, inv.get(), table, dy)[1]
@@ -133,7 +130,7 @@ def test_launch_parameters(queue, override, hd, half, params):
 
 def test_parameters_the_device_cannot_hold(queue, override):
     dev = queue.device
-    X, W = _dev(queue, rnd((2, 1, 512), 1), rnd(512, 2))
+    X, W = to_device(queue, rnd((2, 1, 512), 1), rnd(512, 2))
     upg = 1 << (dev.local_mem_size // (4 * 512)).bit_length()  # units whose rows overflow local memory
     override(512, dict(wg=upg, vw=4, upg=upg, rb=upg))
     with pytest.raises(clops.LimitError, match="local memory"):
@@ -149,17 +146,17 @@ def test_parameters_the_device_cannot_hold(queue, override):
 def test_bad_input_is_rejected_before_anything_runs(queue):
     n, heads, hd = 6, 2, 16
     x, w, dy = _data(n, heads, hd)
-    X, W, DY, R = _dev(queue, x, w, dy, ref.rope_table(3, 4))
+    X, W, DY, R = to_device(queue, x, w, dy, ref.rope_table(3, 4))
     INV = cla.to_device(queue, np.ones((n, heads), np.float32))
-    DW, OUT, DX = _dev(queue, np.full(hd, 7.0, np.float32), np.full(x.shape, 7.0, np.float32),
+    DW, OUT, DX = to_device(queue, np.full(hd, 7.0, np.float32), np.full(x.shape, 7.0, np.float32),
                        np.full(x.shape, 7.0, np.float32))
-    bad_rows = _dev(queue, rnd((n, heads, 6), 1), rnd(6, 1), rnd((n, 2, 520), 1), rnd(520, 1),
+    bad_rows = to_device(queue, rnd((n, heads, 6), 1), rnd(6, 1), rnd((n, 2, 520), 1), rnd(520, 1),
                     rnd((n, 30), 1), rnd((n, heads, hd), 1).astype(np.float64))
     cases = [
         (ValueError, "dw", lambda: clops.qk_norm_rope_bwd(queue, X, W, INV, R, DY, dw=cla.zeros(queue, hd + 1, np.float32), dx=DX)),
         (ValueError, "too short for window 4", lambda: clops.qk_norm_rope(queue, X, W, R, window=4, out=OUT)),
-        (ValueError, "rope: half 9 exceeds", lambda: clops.qk_norm_rope(queue, X, W, _dev(queue, ref.rope_table(3, 9))[0], out=OUT)),
-        (ValueError, "rope", lambda: clops.qk_norm_rope(queue, X, W, _dev(queue, rnd((3, 4, 3), 1))[0], out=OUT)),
+        (ValueError, "rope: half 9 exceeds", lambda: clops.qk_norm_rope(queue, X, W, to_device(queue, ref.rope_table(3, 9))[0], out=OUT)),
+        (ValueError, "rope", lambda: clops.qk_norm_rope(queue, X, W, to_device(queue, rnd((3, 4, 3), 1))[0], out=OUT)),
         (TypeError, "rope", lambda: clops.qk_norm_rope(queue, X, W, cla.to_device(queue, np.zeros((3, 0, 2))), out=OUT)),
         (ValueError, "unsupported head dim 6", lambda: clops.qk_norm_rope(queue, bad_rows[0], bad_rows[1], None)),
         (ValueError, "unsupported head dim 520", lambda: clops.qk_norm_rope(queue, bad_rows[2], bad_rows[3], None)),
@@ -174,7 +171,7 @@ def test_bad_input_is_rejected_before_anything_runs(queue):
         with pytest.raises(exc, match=msg):
             call()
     ctx2 = cl.Context([queue.device])  # held: Intel's runtime drops a context only its queue references
-    (R2,) = _dev(cl.CommandQueue(ctx2), ref.rope_table(3, 4))
+    (R2,) = to_device(cl.CommandQueue(ctx2), ref.rope_table(3, 4))
     with pytest.raises(ValueError, match="rope: array belongs to another context"):
         clops.qk_norm_rope_bwd(queue, X, W, INV, R2, DY, dx=DX, dw=DW)
     assert np.all(DW.get() == 7.0) and np.all(OUT.get() == 7.0) and np.all(DX.get() == 7.0)
@@ -184,7 +181,7 @@ def test_checked_build_catches_a_table_read_past_its_end(queue, monkeypatch):
     """The guards are in place: window 5 over a table of 2 positions raises in a checked build."""
     monkeypatch.setenv("CLOPS_CHECKED", "1")
     x, w, _ = _data(5, 1, 16)
-    X, W, R = _dev(queue, x, w, ref.rope_table(2, 8))
+    X, W, R = to_device(queue, x, w, ref.rope_table(2, 8))
     y, inv = cla.empty(queue, x.shape, np.float32), cla.empty(queue, (5, 1), np.float32)
     p, knl, units = qkr._kernel(queue, "qk_norm_rope_fwd", 5, 16, 8)
     args = [y.data, inv.data, X.data, W.data, R.data, units, np.uint32(1), np.uint32(5), np.float32(1e-6),

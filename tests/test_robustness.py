@@ -10,10 +10,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.attention import bwd_heuristic
 from clops.reference import rel_err, rnd
-
-
-def _dev(queue, *arrays):
-    return [cla.to_device(queue, a) for a in arrays]
+from helpers import to_device
 
 
 def _get(*arrays):
@@ -27,7 +24,7 @@ def test_rms_norm_rows_of_zeros(queue, gemma):
     n, d = 9, 96
     x, w, dy = rnd((n, d), 1, 2.0), rnd(d, 2, 0.5), rnd((n, d), 3, 1.0)
     x[[0, 4, 8]] = 0.0
-    x_, w_, dy_ = _dev(queue, x, w, dy)
+    x_, w_, dy_ = to_device(queue, x, w, dy)
     y, inv = _get(*clops.rms_norm(queue, x_, w_, gemma=gemma))
     assert np.all(y[[0, 4, 8]] == 0.0)
     assert np.allclose(inv[[0, 4, 8]], 1.0 / np.sqrt(np.float32(1e-6)), rtol=1e-6)
@@ -45,7 +42,7 @@ def test_rms_norm_rows_of_zeros(queue, gemma):
 def test_rms_norm_large_and_small_rows(queue, magnitude):
     n, d = 7, 160
     x, w, dy = rnd((n, d), 4, magnitude), rnd(d, 5, 0.5), rnd((n, d), 6, 1.0)
-    x_, w_, dy_ = _dev(queue, x, w, dy)
+    x_, w_, dy_ = to_device(queue, x, w, dy)
     y, inv = clops.rms_norm(queue, x_, w_, eps=0.0 if magnitude < 1 else 1e-6)
     wy, winv = ref.rms_norm(x, w, eps=0.0 if magnitude < 1 else 1e-6)
     assert rel_err(y.get(), wy) <= 1e-6 and rel_err(inv.get(), winv) <= 1e-6
@@ -58,7 +55,7 @@ def test_qk_norm_rope_units_of_zeros(queue):
     x, w, dy = rnd((n, heads, hd), 7, 2.0), rnd(hd, 8, 0.5), rnd((n, heads, hd), 9, 1.0)
     x[2, 1] = 0.0
     table = ref.rope_table(n, half)
-    x_, w_, dy_, rope_ = _dev(queue, x, w, dy, table)
+    x_, w_, dy_, rope_ = to_device(queue, x, w, dy, table)
     y, inv = clops.qk_norm_rope(queue, x_, w_, rope_)
     assert np.all(y.get()[2, 1] == 0.0) and np.isfinite(inv.get()).all()
     dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
@@ -76,7 +73,7 @@ def test_attention_large_logits(queue, logit):
     # close to one-hot, far outside exp's range without the running max.
     amp = np.sqrt(3.0 * logit)
     q, k, v, do = rnd((n, nh, hd), 10, amp), rnd((n, nkv, hd), 11, amp), rnd((n, nkv, hd), 12), rnd((n, nh, hd), 13)
-    q_, k_, v_, do_ = _dev(queue, q, k, v, do)
+    q_, k_, v_, do_ = to_device(queue, q, k, v, do)
     o, lse = clops.attention(queue, q_, k_, v_, window=window)
     wo, wlse = ref.attention(q, k, v, window=window)
     assert np.abs(wlse).max() > logit
@@ -111,7 +108,7 @@ def test_elementwise_nan_stays_in_its_element(queue):
     a[2, 30] = np.nan
     only = np.zeros((rows, width), bool)
     only[2, 30] = True
-    a_, b_, dc_, g_, rw_ = _dev(queue, a, b, dc, gate, rw)
+    a_, b_, dc_, g_, rw_ = to_device(queue, a, b, dc, gate, rw)
     outs = {
         "swiglu": [clops.swiglu(queue, a_, b_)],
         "swiglu_bwd": clops.swiglu_bwd(queue, a_, b_, dc_),
@@ -129,7 +126,7 @@ def test_elementwise_nan_stays_in_its_element(queue):
             _nan_exactly(got.get(), where, op)
     # A NaN gate column, a NaN row weight: that column, that row.
     gate[11], rw[3] = np.nan, np.nan
-    g_, rw_ = _dev(queue, gate, rw)
+    g_, rw_ = to_device(queue, gate, rw)
     col, row = np.zeros((rows, width), bool), np.zeros((rows, width), bool)
     col[:, 11], row[3] = True, True
     b_clean = cla.to_device(queue, b)
@@ -145,7 +142,7 @@ def test_norm_nan_stays_in_its_row(queue):
     x[5, 17] = np.nan
     rows = np.zeros((n, d), bool)
     rows[5] = True
-    x_, w_, dy_ = _dev(queue, x, w, dy)
+    x_, w_, dy_ = to_device(queue, x, w, dy)
     y, inv = clops.rms_norm(queue, x_, w_)
     _nan_exactly(y.get(), rows, "rms_norm y")
     _nan_exactly(inv.get(), rows[:, 0], "rms_norm inv")
@@ -159,7 +156,7 @@ def test_qk_norm_rope_nan_stays_in_its_unit(queue):
     x[4, 2, 3] = np.nan
     unit = np.zeros((n, heads, hd), bool)
     unit[4, 2] = True
-    x_, w_, dy_, rope_ = _dev(queue, x, w, dy, ref.rope_table(3, half))
+    x_, w_, dy_, rope_ = to_device(queue, x, w, dy, ref.rope_table(3, half))
     y, inv = clops.qk_norm_rope(queue, x_, w_, rope_)
     _nan_exactly(y.get(), unit, "qk_norm_rope y")
     _nan_exactly(inv.get(), unit[..., 0], "qk_norm_rope inv")
@@ -175,7 +172,7 @@ NAN_AT = {"q": (WINDOW + 40, 3, 5), "k": (2 * WINDOW + 9, 0, 2), "v": (2 * WINDO
 
 
 def _attention(queue, q, k, v, do):
-    q_, k_, v_, do_ = _dev(queue, q, k, v, do)
+    q_, k_, v_, do_ = to_device(queue, q, k, v, do)
     o, lse = clops.attention(queue, q_, k_, v_, window=WINDOW)
     dq, dk, dv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW)
     return {name: a.get() for name, a in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))}
