@@ -7,11 +7,16 @@ import clops  # noqa: F401  (registers the pip-installed CPU runtime before the 
 from pyopencl.tools import pytest_generate_tests_for_pyopencl as pytest_generate_tests  # noqa: F401
 
 
+_contexts = {}  # device -> the context its tests share
+
+
 @pytest.fixture
 def queue(ctx_factory):
-    """A profiling-enabled queue on the device under test."""
-    # Hold the context: Intel's CPU runtime loses a context whose last Python reference is gone
-    # even while a queue on it lives.
-    ctx = ctx_factory()
-    yield cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
-    del ctx
+    """A profiling-enabled queue on the device under test, on one context per device for the whole
+    session: NVIDIA's driver refused new contexts (OUT_OF_HOST_MEMORY) after some dozens per test
+    process. Tests about contexts themselves take ``ctx_factory``."""
+    # The dict also holds the context: Intel's CPU runtime loses a context whose last Python
+    # reference is gone even while a queue on it lives.
+    if ctx_factory.device not in _contexts:
+        _contexts[ctx_factory.device] = ctx_factory()
+    return cl.CommandQueue(_contexts[ctx_factory.device], properties=cl.command_queue_properties.PROFILING_ENABLE)
