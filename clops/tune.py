@@ -182,10 +182,14 @@ def _attention_bwd(products):
 
 def _attention_bwd_case(queue, sc, pb, products):
     q, k, v = _attention_data(pb, sc["hd"])
-    o, lse = (a.astype(np.float32) for a in ref.attention(q, k, v, window=pb["window"]))
-    do = ref.rnd(o.shape, 4, 1.0)
-    dev_args = _upload(queue, q, k, v, o, lse, do)
+    dq, dk, dv = _upload(queue, q, k, v)
     pool = _pool(queue)
+    # The forward's outputs are the backward's inputs, and the reference is given the same ones
+    # (a float64 host forward of a full-size problem would take minutes).
+    o_, lse_ = clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool)
+    o, lse = o_.get(), lse_.get()
+    do = ref.rnd(o.shape, 4, 1.0)
+    dev_args = (dq, dk, dv, o_, lse_, *_upload(queue, do))
     return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], allocator=pool),
                 lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), (BWD,) * 3, "TFLOP/s",
                 products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
@@ -220,12 +224,13 @@ def _qk_norm_rope(queue, sc, pb):
 
 
 def _bwd_derive(kind):
-    """wg from the accumulator tile ((rows/tr)·(hd/td)), then sk so that (bq/sq)·(bk/sk) = wg (0: impossible)."""
+    """wg from the accumulator tile ((rows/tr)·(hd/td), times split for dkv), then sk so that
+    split·(bq/sq)·(bk/sk) = wg (0: impossible)."""
     rows = "bk" if kind == "dkv" else "bq"
 
     def derive(p, sc):
-        wg = (p[rows] // p["tr"]) * (sc["hd"] // p["td"])
-        per = p["bq"] * p["bk"]
+        wg = (p["split"] if kind == "dkv" else 1) * (p[rows] // p["tr"]) * (sc["hd"] // p["td"])
+        per = p["split"] * p["bq"] * p["bk"]
         sk = per // (p["sq"] * wg) if per % (p["sq"] * wg) == 0 else 0
         return dict(p, wg=wg, sk=sk)
 
@@ -248,7 +253,7 @@ def _accepted_by(check):
 def _bwd_family(kind):
     rows, chunked = ("bk", "bq") if kind == "dkv" else ("bq", "bk")
     restrictions = (
-        ("sk: (bq/sq)·(bk/sk) = wg has a solution", lambda p, dev, sc: p["sk"] > 0),
+        ("sk: split·(bq/sq)·(bk/sk) = wg has a solution", lambda p, dev, sc: p["sk"] > 0),
         _divides("sq", "bq"), _divides("sk", "bk"), _divides("tr", rows), _divides("jc", chunked),
         _divides("vw", "dc"), _divides("vw", "td"),
         ("dc and td divide hd", lambda p, dev, sc: sc["hd"] % p["dc"] == 0 and sc["hd"] % p["td"] == 0),
@@ -260,7 +265,7 @@ def _bwd_family(kind):
     return Family(
         f"attention_bwd_{kind}", ("attention_bwd.cl.mako",), {"hd": 128},
         lambda sc: {"bq": [16, 32, 64], "bk": [16, 32, 64], "tr": [1, 2, 4, 8], "td": [8, 16, 32, 64],
-                    "vw": [2, 4], "dc": [8, 16, 32], "jc": [4, 8, 16], "sq": [1, 2, 4]},
+                    "vw": [2, 4], "dc": [8, 16, 32], "jc": [4, 8, 16], "sq": [1, 2, 4], "split": [1, 2]},
         restrictions, _attention_problem, _attention_bwd(4 if kind == "dkv" else 3),
         f"attention_bwd on [windows·window, nh|nkv, hd], timing {' + '.join(names)}",
         derive=_bwd_derive(kind), kernels=names)
