@@ -32,11 +32,17 @@
 // Parameters: WG work-items; BQ query rows, BK keys per block; SQ × SK score
 // tile per work-item; DC head-dim chunk of step 1; JC rows staged per part of
 // step 2; TR × TD accumulator tile (TD a multiple of VW); VW vector width.
+// SPLIT = 1: every work-item holds both S and dP tiles (and, in dkv, both dV
+// and dK tiles). SPLIT = 2: the first half of the group computes S, the second
+// dP (P passes through local memory), and in dkv the first half accumulates dV,
+// the second dK: one matrix per work-item, so its tiles can be twice as large
+// for the same registers, and fewer local loads feed each multiply-add.
 <%!
     import math
 %>
 <%
     rows = bk if kind == "dkv" else bq            # accumulator rows of step 2
+    nacc = 2 if kind == "dkv" and split == 1 else 1  # accumulator matrices per work-item
     nc2 = hd // td                                 # work-items across head-dim columns in step 2
     nr2 = rows // tr
     w1 = math.gcd(nc2, 8)                          # step-2 columns of a 32-wide warp...
@@ -48,7 +54,7 @@
     comps = [""] if vw == 1 else [".s%x" % e for e in range(vw)]
     def co(var, i):
         return var if tr == 1 else "%s.s%x" % (var, i)
-    nmat = 2 if kind == "dkv" else 1
+    nmat = 2 if kind == "dkv" else 1               # matrices accumulated in step 2
     stage = max((2 * bq + 2 * bk) * (dc // vw + 1), 0 if dc == hd else nmat * jc * (hd // vw))
 %>
 <%namespace name="common" file="common.cl.mako"/>\
@@ -56,6 +62,7 @@
 #define HDV (HD / ${vw})             // vectors per row
 #define VW ${vw}
 #define WG ${wg}
+#define SPLIT ${split}
 #define BQ ${bq}
 #define BK ${bk}
 #define SQ ${sq}
@@ -119,11 +126,21 @@ ${common.guards()}\
     qsrc = [("q", "(idx_t)(tok0 + pos) * nh + h"), ("dO", "(idx_t)(tok0 + pos) * nh + h")]
     ksrc = [("k", "(idx_t)(tok0 + pos) * nkv + g"), ("v", "(idx_t)(tok0 + pos) * nkv + g")]
 %>
+<%
+    # (accumulator, query-side tile, key-side tile) of each matrix this work-item computes
+    mats = [("s", "sq_", "sk_"), ("dp", "sdo", "sv_")] if split == 1 else [("a", "xa", "xb")]
+%>\
 % for i in range(sq):
 %   for j in range(sk):
-        float s${i}_${j} = 0.0f, dp${i}_${j} = 0.0f;
+%     for name, _, _ in mats:
+        float ${name}${i}_${j} = 0.0f;
+%     endfor
 %   endfor
 % endfor
+% if split == 2:
+        // the first half computes S = Q·Kᵀ, the second dP = dO·Vᵀ
+        __local const vec_t *const xa = side ? sdo : sq_, *const xb = side ? sv_ : sk_;
+% endif
         ${declare("a", bq, dc // vw, 2)}
         ${declare("b", bk, dc // vw, 2)}
         ${fetch("a", bq, dc // vw, qsrc, "q0", "0")}
@@ -139,15 +156,20 @@ ${common.guards()}\
             for (uint c = 0; c < DCV; ++c) {
                 // the SK key vectors stay in registers while the SQ query rows stream by
 % for j in range(sk):
-                const vec_t kb${j} = sk_[(tk + ${j * (bk // sk)}) * DCP + c], vb${j} = sv_[(tk + ${j * (bk // sk)}) * DCP + c];
+%   for m, (_, _, ks) in enumerate(mats):
+                const vec_t kb${m}_${j} = ${ks}[(tk + ${j * (bk // sk)}) * DCP + c];
+%   endfor
 % endfor
 % for i in range(sq):
                 {
-                    const vec_t qa = sq_[(tq + ${i * (bq // sq)}) * DCP + c], qo = sdo[(tq + ${i * (bq // sq)}) * DCP + c];
+%   for m, (_, xs, _) in enumerate(mats):
+                    const vec_t qa${m} = ${xs}[(tq + ${i * (bq // sq)}) * DCP + c];
+%   endfor
 %   for j in range(sk):
 %     for e in comps:
-                    s${i}_${j} += qa${e} * kb${j}${e};
-                    dp${i}_${j} += qo${e} * vb${j}${e};
+%       for m, (name, _, _) in enumerate(mats):
+                    ${name}${i}_${j} += qa${m}${e} * kb${m}_${j}${e};
+%       endfor
 %     endfor
 %   endfor
                 }
@@ -155,23 +177,51 @@ ${common.guards()}\
             }
             barrier(CLK_LOCAL_MEM_FENCE);
         }
-% for i in range(sq):
+<%
+    # SPLIT = 1: P and dS in one pass; 2: the S half writes P (to the dS tile where P is
+    # not kept), then the dP half reads it back and writes dS in its place.
+    phases = ["p", "ds"] if split == 2 else ["p+ds"]
+    pbuf = pcoef or dscoef
+    sacc, dpacc = ("s", "dp") if split == 1 else ("a", "a")
+%>\
+% for phase in phases:
+%   if phase == "ds":
+        barrier(CLK_LOCAL_MEM_FENCE);  // P, from the other half
+%   endif
+%   if split == 2:
+        if (side == ${int(phase == "ds")})
+%   endif
+        {
+%   for i in range(sq):
         {
             const uint qi = q0 + tq + ${i * (bq // sq)};
             const idx_t row = (idx_t)(tok0 + min(qi, T - 1)) * nh + h;
-            const float l2 = lse[${at("lse", "row")}] * LOG2E, dd = dsum[${at("dsum", "row")}];
-%   for j in range(sk):
+%     if phase != "ds":
+            const float l2 = lse[${at("lse", "row")}] * LOG2E;
+%     endif
+%     if phase != "p":
+            const float dd = dsum[${at("dsum", "row")}];
+%     endif
+%     for j in range(sk):
             {
                 const uint kj = k0 + tk + ${j * (bk // sk)};
                 const uint at = ${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))};
-                float p = exp2(s${i}_${j} * c2 - l2), ds = p * (dp${i}_${j} - dd) * scale;
-                if (${mask} && (kj > qi || qi >= T))
-                    p = ds = 0.0f;  // not p·(…): a NaN of dO, V or D stays out of masked entries
-%     if pcoef:
-                ${pcoef}[at / TR].s[at % TR] = p;
-%     endif
-                ${dscoef}[at / TR].s[at % TR] = ds;
+                // masked entries are selected to 0, not multiplied: a NaN of dO, V or D stays out
+                const bool hidden = ${mask} && (kj > qi || qi >= T);
+%       if phase == "ds":
+                const float p = ${pbuf}[at / TR].s[at % TR];
+%       else:
+                const float p = hidden ? 0.0f : exp2(${sacc}${i}_${j} * c2 - l2);
+%       endif
+%       if phase == "p" or (phase == "p+ds" and pcoef):
+                ${pbuf}[at / TR].s[at % TR] = p;
+%       endif
+%       if phase != "p":
+                ${dscoef}[at / TR].s[at % TR] = hidden ? 0.0f : p * (${dpacc}${i}_${j} - dd) * scale;
+%       endif
             }
+%     endfor
+        }
 %   endfor
         }
 % endfor
@@ -184,6 +234,12 @@ ${common.guards()}\
 ## Where `masked`, the pairs failing `visible(j, i)` (key after query) are skipped, not multiplied
 ## by their zero coefficient: 0·NaN would carry a NaN row of X to gradients that do not depend on it.
 <%def name="accumulate(coefs, srcs, staged, jlo, jhi, pos0, masked, visible)">
+<%
+    if len(coefs) == 2 and split == 2:  # the first half dV (P, dO), the second dK (dS, Q)
+        coefs, staged, rowoff = ["(side ? %s : %s)" % (coefs[1], coefs[0])], ["(side ? %s : %s)" % (staged[1], staged[0])], ["side * JC"]
+    else:
+        rowoff = ["%d" % (m * jc) for m in range(len(coefs))]
+%>\
         {
         const uint jlo = ${jlo}, jhi = ${jhi};
 % if dc == hd:
@@ -191,7 +247,7 @@ ${common.guards()}\
         barrier(CLK_LOCAL_MEM_FENCE);  // the coefficients
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
 % else:
-<%  xat = lambda m, col: "sx[(%d + j) * HDV + %s]" % (m * jc, col) %>
+<%  xat = lambda m, col: "sx[(%s + j) * HDV + %s]" % (rowoff[m], col) %>
         ${declare("x", jc, hd // vw, len(srcs))}
         ${fetch("x", jc, hd // vw, srcs, pos0 + " + jlo", "0")}
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
@@ -244,13 +300,17 @@ ${common.guards()}\
     __local vec_t *const sk_ = stage + 2 * BQ * DCP, *const sv_ = stage + (2 * BQ + BK) * DCP;
     __local vec_t *const sx = stage;
     const uint lid = get_local_id(0);
+<%  lid1, lid2 = ("lid1", "lid1" if kind == "dkv" else "lid") if split == 2 else ("lid", "lid") %>\
+% if split == 2:
+    const uint side = lid / (WG / 2), lid1 = lid % (WG / 2);  // which half (matrix), and the place in it
+% endif
     // step 1: warps span ${k1} key groups × ${q1} query-row groups
-    const uint k_lo = lid % ${k1}, q_lo = (lid / ${k1}) % ${q1}, hi1 = lid / ${k1 * q1};
+    const uint k_lo = ${lid1} % ${k1}, q_lo = (${lid1} / ${k1}) % ${q1}, hi1 = ${lid1} / ${k1 * q1};
     const uint tk = (hi1 % ${nk1 // k1}) * ${k1} + k_lo, tq = (hi1 / ${nk1 // k1}) * ${q1} + q_lo;
     // step 2: warps span ${w1} column groups × ${h1} row groups
-    const uint c_lo = lid % ${w1}, r_lo = (lid / ${w1}) % ${h1}, hi = lid / ${w1 * h1};
+    const uint c_lo = ${lid2} % ${w1}, r_lo = (${lid2} / ${w1}) % ${h1}, hi = ${lid2} / ${w1 * h1};
     const uint tc = (hi % ${nc2 // w1}) * ${w1} + c_lo, tr = (hi / ${nc2 // w1}) * ${h1} + r_lo;
-% for m in range(nmat):
+% for m in range(nacc):
 %   for i in range(tr):
 %     for jj in range(tdv):
     vec_t acc${m}_${i}_${jj} = (vec_t)(0.0f);
@@ -306,8 +366,16 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
                             "masked", lambda j, i: "q0 + %s >= k0 + %s" % (j, i))}
         }
     }
+% if split == 2:
+    if (side == 0) {
+        ${store(0, "dv", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
+    } else {
+        ${store(0, "dk", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
+    }
+% else:
     ${store(0, "dv", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
     ${store(1, "dk", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
+% endif
 }
 % else:
 #define CROW BQ                      // row length of the dSᵀ tile ([k][q])

@@ -174,8 +174,11 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
 #
 # Op names in the tuning database: "attention_bwd_dkv" and "attention_bwd_dq",
 # shape class {"hd": hd}. Both take the same parameter names:
-#   wg  work-items per group; must equal (bq/sq)·(bk/sk) and (rows/tr)·(hd/td),
-#       rows = bk for dkv (key rows accumulated), bq for dq (query rows).
+#   wg  work-items per group; must equal split·(bq/sq)·(bk/sk) and, with
+#       rows = bk for dkv (key rows accumulated), bq for dq (query rows),
+#       split·(bk/tr)·(hd/td) for dkv, (bq/tr)·(hd/td) for dq.
+#   split  1: each work-item computes both S and dP (and, in dkv, accumulates
+#       both dV and dK); 2: the two halves of the group take one each.
 #   bq  query rows per block; bk keys per block.
 #   sq, sk  score tile of a work-item (sq query rows × sk keys of S and dP);
 #       sq divides bq, sk divides bk.
@@ -191,7 +194,7 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
 # raises LimitError (a ValueError) naming the rule.
 
 BWD_TEMPLATE = "attention_bwd.cl.mako"
-BWD_NAMES = ("wg", "bq", "bk", "sq", "sk", "dc", "jc", "tr", "td", "vw")
+BWD_NAMES = ("wg", "split", "bq", "bk", "sq", "sk", "dc", "jc", "tr", "td", "vw")
 
 
 def _bwd_mats(kind):
@@ -209,15 +212,18 @@ def _bwd_local_bytes(kind, hd, p):
 def _bwd_rules(kind, hd, p):
     rows, rname = (p["bk"], "bk") if kind == "dkv" else (p["bq"], "bq")
     chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
+    halves = p["split"] if kind == "dkv" else 1  # dq accumulates one matrix: all work-items share it
     return (
+        (p["split"] in (1, 2), "split must be 1 or 2"),
         (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
         (hd % p["dc"] == 0 and p["dc"] % p["vw"] == 0, "dc must divide hd and be a multiple of vw"),
         (hd % p["td"] == 0 and p["td"] % p["vw"] == 0, "td must divide hd and be a multiple of vw"),
         (p["tr"] in (1, 2, 4, 8, 16) and rows % p["tr"] == 0, f"tr must be 1, 2, 4, 8 or 16 and divide {rname}"),
         (p["bq"] % p["sq"] == 0 and p["bk"] % p["sk"] == 0, "sq must divide bq and sk divide bk"),
         (chunked % p["jc"] == 0, f"jc must divide {cname}"),
-        ((p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"], "wg must equal (bq/sq)·(bk/sk)"),
-        ((rows // p["tr"]) * (hd // p["td"]) == p["wg"], f"wg must equal ({rname}/tr)·(hd/td)"),
+        (p["split"] * (p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"], "wg must equal split·(bq/sq)·(bk/sk)"),
+        (halves * (rows // p["tr"]) * (hd // p["td"]) == p["wg"],
+         f"wg must equal {'split·' if kind == 'dkv' else ''}({rname}/tr)·(hd/td)"),
     )
 
 
@@ -246,7 +252,7 @@ def bwd_heuristic(dev, kind, hd):
     bq, bk = (other, rows) if kind == "dkv" else (rows, other)
     sq = next(s for s in (4, 2, 1) if e1 % s == 0 and bq % s == 0 and bk % (e1 // s) == 0)
     dc = next(d for d in (32, 16, 8, 4, 2, 1) if hd % d == 0 and d % vw == 0)  # halved below until it fits
-    p = {"wg": wg, "bq": bq, "bk": bk, "sq": sq, "sk": e1 // sq, "dc": dc, "jc": math.gcd(8, other),
+    p = {"wg": wg, "split": 1, "bq": bq, "bk": bk, "sq": sq, "sk": e1 // sq, "dc": dc, "jc": math.gcd(8, other),
          "tr": tr, "td": td, "vw": vw}
     while _bwd_local_bytes(kind, hd, p) > dev.local_mem_size and p["dc"] > vw:
         p["dc"] //= 2

@@ -103,19 +103,24 @@ def test_deterministic(queue):
 
 # Tile shapes the template must honour: vector widths 1/2/4, tr 1/2/8, odd score tiles,
 # several head-dim chunks (dc < hd) and staged row chunks (jc below the block), or the whole
-# head dim in one chunk (dc = hd: step 2 reads the tiles step 1 staged).
+# head dim in one chunk (dc = hd: step 2 reads the tiles step 1 staged); one matrix per
+# work-item (split 2), with halves that are not a multiple of any warp or vector width.
 VARIANTS = {
     "dkv": [
-        {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1},
-        {"wg": 40, "bq": 8, "bk": 20, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2},
-        {"wg": 10, "bq": 20, "bk": 8, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4},
-        {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 40, "jc": 4, "tr": 2, "td": 10, "vw": 2},
+        {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1, "split": 1},
+        {"wg": 40, "bq": 8, "bk": 20, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2, "split": 1},
+        {"wg": 10, "bq": 20, "bk": 8, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4, "split": 1},
+        {"wg": 20, "bq": 12, "bk": 10, "sq": 3, "sk": 2, "dc": 40, "jc": 4, "tr": 2, "td": 10, "vw": 2, "split": 1},
+        {"wg": 40, "bq": 8, "bk": 10, "sq": 2, "sk": 2, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 2, "split": 2},
+        {"wg": 20, "bq": 12, "bk": 10, "sq": 6, "sk": 2, "dc": 40, "jc": 4, "tr": 2, "td": 20, "vw": 4, "split": 2},
     ],
     "dq": [
-        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1},
-        {"wg": 40, "bq": 20, "bk": 8, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2},
-        {"wg": 10, "bq": 8, "bk": 20, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4},
-        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 40, "jc": 6, "tr": 2, "td": 10, "vw": 2},
+        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 8, "jc": 4, "tr": 2, "td": 10, "vw": 1, "split": 1},
+        {"wg": 40, "bq": 20, "bk": 8, "sq": 2, "sk": 2, "dc": 4, "jc": 2, "tr": 1, "td": 20, "vw": 2, "split": 1},
+        {"wg": 10, "bq": 8, "bk": 20, "sq": 4, "sk": 4, "dc": 20, "jc": 10, "tr": 8, "td": 4, "vw": 4, "split": 1},
+        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 3, "dc": 40, "jc": 6, "tr": 2, "td": 10, "vw": 2, "split": 1},
+        {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 6, "dc": 8, "jc": 4, "tr": 1, "td": 20, "vw": 4, "split": 2},
+        {"wg": 40, "bq": 20, "bk": 8, "sq": 2, "sk": 4, "dc": 40, "jc": 4, "tr": 2, "td": 10, "vw": 2, "split": 2},
     ],
 }
 
@@ -132,12 +137,13 @@ def test_tile_variants(queue, kind, params):
         tuning.override(op, {"hd": 40}, None)
 
 
-GOOD = {"wg": 64, "bq": 16, "bk": 16, "sq": 2, "sk": 2, "dc": 8, "jc": 8, "tr": 1, "td": 4, "vw": 4}
+GOOD = {"wg": 64, "split": 1, "bq": 16, "bk": 16, "sq": 2, "sk": 2, "dc": 8, "jc": 8, "tr": 1, "td": 4, "vw": 4}
 
 
 @pytest.mark.parametrize("change, word", [
-    ({"wg": 32}, "wg must equal (bq/sq)·(bk/sk)"),
-    ({"td": 8}, "wg must equal (bk/tr)·(hd/td)"),
+    ({"wg": 32}, "wg must equal split·(bq/sq)·(bk/sk)"),
+    ({"td": 8}, "wg must equal split·(bk/tr)·(hd/td)"),
+    ({"split": 3}, "split must be 1 or 2"),
     ({"vw": 3}, "vw must be 1, 2 or 4"),
     ({"tr": 3}, "tr must be 1, 2, 4, 8 or 16"),
     ({"jc": 5}, "jc must divide bq"),

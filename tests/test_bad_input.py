@@ -231,7 +231,7 @@ LIMITS = [
     # (bq/sq)·(bk/sk) = (bq/tr)·(hd/td) = wg: 2 × the device's work-group limit
     ("attention_bwd", "attention_bwd_dq", {"hd": HD},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "bq": dev.max_work_group_size // 4, "bk": 8, "sq": 1, "sk": 1,
-                  "dc": 8, "jc": 8, "tr": 1, "td": 1, "vw": 1}, "work-items"),
+                  "dc": 8, "jc": 8, "tr": 1, "td": 1, "vw": 1, "split": 1}, "work-items"),
 ]
 
 

@@ -146,19 +146,22 @@ def run_attention(queue):
     small = {"bq": 8, "rq": 2, "tx": 2, "bk": 8, "vw": 1, "dc": 8, "kc": 4}
     cpu = {"bq": 16, "rq": 4, "tx": 4, "bk": 16, "vw": 4, "dc": 32, "kc": 16}
     # forward dc = 8: Q resident at hd 8, staged in chunks at hd 16; backward: dc = 4 (step 2
-    # restages), and the heuristic's dc = hd (step 2 reads step 1's tiles)
+    # restages), and the heuristic's dc = hd (step 2 reads step 1's tiles); split = 1 and 2
     for hd in (8, 16):
-        bwd = {"wg": 8, "bq": 8, "bk": 8, "sq": 2, "sk": 4, "dc": 4, "jc": 4, "tr": 2, "td": hd // 2, "vw": 1}
+        bwd = {"wg": 8, "bq": 8, "bk": 8, "sq": 2, "sk": 4, "dc": 4, "jc": 4, "tr": 2, "td": hd // 2, "vw": 1, "split": 1}
+        halves_kv = dict(bwd, split=2, sk=8, td=hd)  # 2·(8/2)·(8/8) = 2·(8/2)·(hd/hd) = 8 work-items
+        halves_q = dict(bwd, split=2, sk=8)  # dq: (8/2)·(hd/(hd/2)) = 8
         n = windows * window
         q, k, v, do = rnd((n, nh, hd), 31, 1.0), rnd((n, nkv, hd), 32, 1.0), rnd((n, nkv, hd), 33, 1.0), rnd(
             (n, nh, hd), 34, 1.0)
         q_, k_, v_, do_ = (cla.to_device(queue, a) for a in (q, k, v, do))
-        for fwd, back in ((small, bwd), (cpu, None), (None, None)):
+        for fwd, back_kv, back_q in ((small, bwd, bwd), (small, halves_kv, halves_q), (cpu, None, None),
+                                     (None, None, None)):
             if fwd not in _tiles(fwd):
                 continue
             tuning.override("attention_fwd", {"hd": hd}, fwd)
-            tuning.override("attention_bwd_dkv", {"hd": hd}, back)
-            tuning.override("attention_bwd_dq", {"hd": hd}, back)
+            tuning.override("attention_bwd_dkv", {"hd": hd}, back_kv)
+            tuning.override("attention_bwd_dq", {"hd": hd}, back_q)
             (o, lse), (wo, wlse) = clops.attention(queue, q_, k_, v_, window=window), ref.attention(
                 q, k, v, window=window)
             _expect("attention o", o, wo)
