@@ -43,9 +43,10 @@ def _cap(dev):
 
 
 def heuristic_rows(dev, d):
-    """About 8 vectors per work-item, up to 1024 work-items per row; small rows share a group."""
+    """About 8 vectors per work-item, up to 256 work-items per row; small rows share a group.
+    (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to 256 at d = 4097.)"""
     vw = vector_width(4, d)
-    tpr = min(pow2_ceil(-(-d // (vw * 8))), _cap(dev))
+    tpr = min(pow2_ceil(-(-d // (vw * 8))), _cap(dev), 256)
     wg = max(tpr, min(64, _cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr}
 

@@ -5,6 +5,7 @@ vector widths 1 and 4, and the device's default) runs here on the device under t
 the binary cache off, so every program is compiled from source and its build log read;
 then once more as checked builds (CLOPS_CHECKED=1), whose kernels must all carry the guards.
 """
+import pyopencl as cl
 import pytest
 
 import clops.program
@@ -14,7 +15,11 @@ from test_oclgrind import FAMILIES
 
 @pytest.mark.parametrize("checked", [False, True], ids=["plain", "checked"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_templates_build_without_warnings(queue, monkeypatch, family, checked):
+def test_templates_build_without_warnings(ctx_factory, monkeypatch, family, checked):
+    # A context of its own (held: Intel's CPU runtime loses an unreferenced one): programs that
+    # other tests built in the shared context would not be rebuilt.
+    ctx = ctx_factory()
+    queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
     monkeypatch.setenv("CLOPS_NO_CACHE", "1")
     monkeypatch.setenv("CLOPS_CHECKED", "1" if checked else "0")
     monkeypatch.setattr(tuning, "_overrides", {})  # the tour's tile overrides end with the test
