@@ -182,7 +182,7 @@ ${common.guards()}\
     # not kept), then the dP half reads it back and writes dS in its place.
     phases = ["p", "ds"] if split == 2 else ["p+ds"]
     pbuf = pcoef or dscoef
-    sacc, dpacc = ("s", "dp") if split == 1 else ("a", "a")
+    sacc, dpacc = mats[0][0], mats[-1][0]          # accumulators of S and of dP
 %>\
 % for phase in phases:
 %   if phase == "ds":

@@ -209,10 +209,16 @@ def _bwd_local_bytes(kind, hd, p):
     return 4 * (stage + m * p["bq"] * p["bk"])
 
 
+def bwd_tile_wg(kind, hd, p):
+    """Work-items of step 2's accumulator tiles: (rows/tr)·(hd/td), rows = bk for dkv, bq for dq;
+    times split for dkv, whose halves accumulate dV and dK (dq's one matrix is shared by all)."""
+    rows = p["bk"] if kind == "dkv" else p["bq"]
+    return (p["split"] if kind == "dkv" else 1) * (rows // p["tr"]) * (hd // p["td"])
+
+
 def _bwd_rules(kind, hd, p):
     rows, rname = (p["bk"], "bk") if kind == "dkv" else (p["bq"], "bq")
     chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
-    halves = p["split"] if kind == "dkv" else 1  # dq accumulates one matrix: all work-items share it
     return (
         (p["split"] in (1, 2), "split must be 1 or 2"),
         (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
@@ -222,7 +228,7 @@ def _bwd_rules(kind, hd, p):
         (p["bq"] % p["sq"] == 0 and p["bk"] % p["sk"] == 0, "sq must divide bq and sk divide bk"),
         (chunked % p["jc"] == 0, f"jc must divide {cname}"),
         (p["split"] * (p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"], "wg must equal split·(bq/sq)·(bk/sk)"),
-        (halves * (rows // p["tr"]) * (hd // p["td"]) == p["wg"],
+        (bwd_tile_wg(kind, hd, p) == p["wg"],
          f"wg must equal {'split·' if kind == 'dkv' else ''}({rname}/tr)·(hd/td)"),
     )
 

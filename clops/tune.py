@@ -51,7 +51,7 @@ import clops
 from . import reference as ref
 from . import qk_norm_rope, runtime, tuning
 from .profile import Profile, measure
-from .attention import bwd_check, fwd_check, fwd_wg
+from .attention import bwd_check, bwd_tile_wg, fwd_check, fwd_wg
 from .program import KERNEL_DIR, LimitError
 
 MIN_RUNS = 7
@@ -224,12 +224,11 @@ def _qk_norm_rope(queue, sc, pb):
 
 
 def _bwd_derive(kind):
-    """wg from the accumulator tile ((rows/tr)·(hd/td), times split for dkv), then sk so that
+    """wg from the accumulator tiles (attention.bwd_tile_wg), then sk so that
     split·(bq/sq)·(bk/sk) = wg (0: impossible)."""
-    rows = "bk" if kind == "dkv" else "bq"
 
     def derive(p, sc):
-        wg = (p["split"] if kind == "dkv" else 1) * (p[rows] // p["tr"]) * (sc["hd"] // p["td"])
+        wg = bwd_tile_wg(kind, sc["hd"], p)
         per = p["split"] * p["bq"] * p["bk"]
         sk = per // (p["sq"] * wg) if per % (p["sq"] * wg) == 0 else 0
         return dict(p, wg=wg, sk=sk)
