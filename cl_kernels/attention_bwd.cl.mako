@@ -1,8 +1,10 @@
 // clops attention backward: FlashAttention-2 style gradients of causal
 // grouped-query attention inside windows. Rendered once per pass (`kind`):
 //   "dkv": attn_bwd_dsum (D = Σ dO·O per (row, head), one row per work-item)
-//        and attn_bwd_dkv;
-//   "dq":  attn_bwd_dq.
+//        and attn_bwd_dkv; rendered with store_ds, attn_bwd_dkv also writes the
+//        visible entries of dS to `ds`, as it computes them;
+//   "dq":  attn_bwd_dq (recomputes S and dP);
+//   "dqs": attn_bwd_dqs (dQ = dS·K from the dS that attn_bwd_dkv stored).
 //
 // Layout: q, o, dO, dq [n, nh, HD]; k, v, dk, dv [n, nkv, HD]; lse, D [n, nh]
 // (float32, row-major); n = windows·T; query head h reads kv head h / rep.
@@ -18,6 +20,10 @@
 //      whole head dim (DC = HD), read where step 1 left it:
 //      dkv: dV += Pᵀ·dO, dK += dSᵀ·Q over the query rows (P, dS as [q][k]);
 //      dq:  dQ += dS·K over the keys (dS stored transposed, [k][q]).
+// dqs: step 2 alone, over all the keys of a query block, JC at a time, with
+// the dS coefficients staged from `ds` beside the K rows.
+// `ds` holds, per (window, head), the causal triangle row by row: dS[q][k]
+// (k ≤ q) at q·(q+1)/2 + k, after (w·nh + h)·T·(T+1)/2 elements.
 // dkv: one group per (key block, window, kv head), key blocks in order so the
 // heaviest (first) start first; it loops over the rep query heads of the
 // group and the query blocks from the diagonal on, so dK/dV are written once,
@@ -32,6 +38,7 @@
 // Parameters: WG work-items; BQ query rows, BK keys per block; SQ × SK score
 // tile per work-item; DC head-dim chunk of step 1; JC rows staged per part of
 // step 2; TR × TD accumulator tile (TD a multiple of VW); VW vector width.
+// dqs takes WG, BQ, JC, TR, TD and VW only.
 // SPLIT = 1: every work-item holds both S and dP tiles (and, in dkv, both dV
 // and dK tiles). SPLIT = 2: the first half of the group computes S, the second
 // dP (P passes through local memory), and in dkv the first half accumulates dV,
@@ -41,29 +48,41 @@
     import math
 %>
 <%
+    # step 1's parameters; dqs has no step 1 (None fails loudly if one is used)
+    split, bk, sq, sk, dc = (context[x] for x in ("split", "bk", "sq", "sk", "dc")) if kind != "dqs" else (None,) * 5
+    store_ds = context["store_ds"] if kind == "dkv" else 0  # dkv writes dS for dqs
     rows = bk if kind == "dkv" else bq            # accumulator rows of step 2
     nacc = 2 if kind == "dkv" and split == 1 else 1  # accumulator matrices per work-item
     nc2 = hd // td                                 # work-items across head-dim columns in step 2
     nr2 = rows // tr
     w1 = math.gcd(nc2, 8)                          # step-2 columns of a 32-wide warp...
     h1 = math.gcd(nr2, 32 // w1)                   # ...and its rows
-    nk1 = bk // sk
-    k1 = math.gcd(nk1, 8)                          # step-1 keys of a warp...
-    q1 = math.gcd(bq // sq, 32 // k1)              # ...and its query rows
     tdv = td // vw
     comps = [""] if vw == 1 else [".s%x" % e for e in range(vw)]
-    def co(var, i):
-        return var if tr == 1 else "%s.s%x" % (var, i)
     nmat = 2 if kind == "dkv" else 1               # matrices accumulated in step 2
-    stage = max((2 * bq + 2 * bk) * (dc // vw + 1), 0 if dc == hd else nmat * jc * (hd // vw))
+    if kind == "dqs":
+        nk1 = k1 = q1 = None
+        staged_hd = False                          # step 2 stages K itself
+        stage = jc * (hd // vw)
+    else:
+        nk1 = bk // sk
+        k1 = math.gcd(nk1, 8)                      # step-1 keys of a warp...
+        q1 = math.gcd(bq // sq, 32 // k1)          # ...and its query rows
+        staged_hd = dc == hd                       # step 1 leaves the whole head dim in local memory
+        stage = max((2 * bq + 2 * bk) * (dc // vw + 1), 0 if staged_hd else nmat * jc * (hd // vw))
+    def coef(m, i):                                # step 2's coefficient for accumulator row i
+        if kind == "dqs":
+            return "c%d_%d" % (m, i)
+        return "c%d" % m if tr == 1 else "c%d.s%x" % (m, i)
 %>
 <%namespace name="common" file="common.cl.mako"/>\
 #define HD ${hd}
 #define HDV (HD / ${vw})             // vectors per row
 #define VW ${vw}
 #define WG ${wg}
-#define SPLIT ${split}
 #define BQ ${bq}
+% if kind != "dqs":
+#define SPLIT ${split}
 #define BK ${bk}
 #define SQ ${sq}
 #define SK ${sk}
@@ -72,6 +91,7 @@
 #define DC ${dc}
 #define DCV (DC / VW)
 #define DCP (DCV + 1)                // staged row stride (vectors), padded against bank conflicts
+% endif
 #define JC ${jc}
 #define TR ${tr}
 #define TD ${td}
@@ -201,6 +221,9 @@ ${common.guards()}\
 %     endif
 %     if phase != "p":
             const float dd = dsum[${at("dsum", "row")}];
+%       if store_ds:
+            const idx_t dsrow = dsbase + (idx_t)min(qi, T - 1) * (min(qi, T - 1) + 1) / 2;
+%       endif
 %     endif
 %     for j in range(sk):
             {
@@ -217,7 +240,14 @@ ${common.guards()}\
                 ${pbuf}[at / TR].s[at % TR] = p;
 %       endif
 %       if phase != "p":
-                ${dscoef}[at / TR].s[at % TR] = hidden ? 0.0f : p * (${dpacc}${i}_${j} - dd) * scale;
+                const float dsv = hidden ? 0.0f : p * (${dpacc}${i}_${j} - dd) * scale;
+%         if store_ds:
+                // the visible entries, for dqs (stored before the local copy: PoCL 3.1 computed a
+                // wrong dS in the other order at one split-2 tile of tests/test_attention_bwd.py)
+                if (!hidden)
+                    ds[${at("ds", "dsrow + kj")}] = dsv;
+%         endif
+                ${dscoef}[at / TR].s[at % TR] = dsv;
 %       endif
             }
 %     endfor
@@ -235,14 +265,14 @@ ${common.guards()}\
 ## by their zero coefficient: 0·NaN would carry a NaN row of X to gradients that do not depend on it.
 <%def name="accumulate(coefs, srcs, staged, jlo, jhi, pos0, masked, visible)">
 <%
-    if len(coefs) == 2 and split == 2:  # the first half dV (P, dO), the second dK (dS, Q)
+    if kind == "dkv" and split == 2:  # the first half dV (P, dO), the second dK (dS, Q)
         coefs, staged, rowoff = ["(side ? %s : %s)" % (coefs[1], coefs[0])], ["(side ? %s : %s)" % (staged[1], staged[0])], ["side * JC"]
     else:
         rowoff = ["%d" % (m * jc) for m in range(len(coefs))]
 %>\
         {
         const uint jlo = ${jlo}, jhi = ${jhi};
-% if dc == hd:
+% if staged_hd:
 <%  xat = lambda m, col: "%s[(j0 + j) * DCP + %s]" % (staged[m], col) %>
         barrier(CLK_LOCAL_MEM_FENCE);  // the coefficients
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
@@ -250,11 +280,20 @@ ${common.guards()}\
 <%  xat = lambda m, col: "sx[(%s + j) * HDV + %s]" % (rowoff[m], col) %>
         ${declare("x", jc, hd // vw, len(srcs))}
         ${fetch("x", jc, hd // vw, srcs, pos0 + " + jlo", "0")}
+%   if kind == "dqs":
+        ${ds_chunk("declare", "jlo")}
+%   endif
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
             ${put("x", jc, hd // vw, ["(sx + %d * HDV)" % (m * jc) for m in range(len(srcs))], "HDV")}
+%   if kind == "dqs":
+            ${ds_chunk("put", "j0")}
+%   endif
             barrier(CLK_LOCAL_MEM_FENCE);
             if (j0 + JC < jhi) {
                 ${fetch("x", jc, hd // vw, srcs, pos0 + " + j0 + JC", "0")}
+%   if kind == "dqs":
+                ${ds_chunk("fetch", "j0 + JC")}
+%   endif
             }
 % endif
             if (${masked}) {
@@ -262,11 +301,11 @@ ${common.guards()}\
             } else {
                 ${products(coefs, xat, None)}
             }
-% if dc != hd:
+% if not staged_hd:
             barrier(CLK_LOCAL_MEM_FENCE);
 % endif
         }
-% if dc == hd:
+% if staged_hd:
         barrier(CLK_LOCAL_MEM_FENCE);  // before step 1 of the next block restages
 % endif
         }
@@ -274,8 +313,14 @@ ${common.guards()}\
 
 <%def name="products(coefs, xat, visible)">
             for (uint j = 0; j < JC; ++j) {
-% for m, coef in enumerate(coefs):
-                const cvec_t c${m} = ${coef}[(j0 + j) * (CROW / TR) + tr].v;
+% for m, c in enumerate(coefs):
+%   if kind == "dqs":
+%     for i in range(tr):
+                const float ${coef(m, i)} = ${c}[(tr * TR + ${i}) * JCP + j];
+%     endfor
+%   else:
+                const cvec_t c${m} = ${c}[(j0 + j) * (CROW / TR) + tr].v;
+%   endif
 % endfor
 % for jj in range(tdv):
 %   for m in range(len(coefs)):
@@ -285,7 +330,7 @@ ${common.guards()}\
 %       if visible:
                     if (${visible("j0 + j", "tr * TR + %d" % i)})
 %       endif
-                    acc${m}_${i}_${jj} += ${co("c%d" % m, i)} * x;
+                    acc${m}_${i}_${jj} += ${coef(m, i)} * x;
 %     endfor
                 }
 %   endfor
@@ -293,20 +338,44 @@ ${common.guards()}\
             }
 </%def>
 
-## Per-work-item indices shared by both gradient kernels.
+## dqs: dS[q0 + r][j .. j + JC) for the BQ rows r of the block, from `ds` into registers
+## fd{it} ("fetch", zeros where k > q or q ≥ T; "declare": declared and fetched), or from
+## them into the padded local tile sds ("put").
+<%def name="ds_chunk(what, j)">
+% for it in range(-(-bq * jc // wg)):
+<%  partial = (it + 1) * wg > bq * jc %>\
+%   if what == "put":
+%     if partial:
+        if (lid + ${it * wg} < BQ * JC)
+%     endif
+            sds[(lid + ${it * wg}) / JC * JCP + (lid + ${it * wg}) % JC] = fd${it};
+%   else:
+        ${"float " if what == "declare" else ""}fd${it} = 0.0f;
+        {
+            const uint e = lid + ${it * wg}, qi = q0 + e / JC, kj = ${j} + e % JC;
+            if (${"e < BQ * JC && " if partial else ""}qi < T && kj <= qi)
+                fd${it} = ds[${at("ds", "dsbase + (idx_t)qi * (qi + 1) / 2 + kj")}];
+        }
+%   endif
+% endfor
+</%def>
+
+## Per-work-item indices shared by the gradient kernels.
 <%def name="prologue()">
     __local vec_t stage[STAGE];
-    __local vec_t *const sq_ = stage, *const sdo = stage + BQ * DCP;
-    __local vec_t *const sk_ = stage + 2 * BQ * DCP, *const sv_ = stage + (2 * BQ + BK) * DCP;
     __local vec_t *const sx = stage;
     const uint lid = get_local_id(0);
 <%  lid1, lid2 = ("lid1", "lid1" if kind == "dkv" else "lid") if split == 2 else ("lid", "lid") %>\
-% if split == 2:
+% if kind != "dqs":
+    __local vec_t *const sq_ = stage, *const sdo = stage + BQ * DCP;
+    __local vec_t *const sk_ = stage + 2 * BQ * DCP, *const sv_ = stage + (2 * BQ + BK) * DCP;
+%   if split == 2:
     const uint side = lid / (WG / 2), lid1 = lid % (WG / 2);  // which half (matrix), and the place in it
-% endif
+%   endif
     // step 1: warps span ${k1} key groups × ${q1} query-row groups
     const uint k_lo = ${lid1} % ${k1}, q_lo = (${lid1} / ${k1}) % ${q1}, hi1 = ${lid1} / ${k1 * q1};
     const uint tk = (hi1 % ${nk1 // k1}) * ${k1} + k_lo, tq = (hi1 / ${nk1 // k1}) * ${q1} + q_lo;
+% endif
     // step 2: warps span ${w1} column groups × ${h1} row groups
     const uint c_lo = ${lid2} % ${w1}, r_lo = (${lid2} / ${w1}) % ${h1}, hi = ${lid2} / ${w1 * h1};
     const uint tc = (hi % ${nc2 // w1}) * ${w1} + c_lo, tr = (hi / ${nc2 // w1}) * ${h1} + r_lo;
@@ -349,8 +418,8 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restrict k,
                   __global const vec_t *restrict v, __global const vec_t *restrict dO,
                   __global const float *restrict lse, __global const float *restrict dsum,
-                  __global vec_t *restrict dk, __global vec_t *restrict dv,
-                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${checked_args("q", "k", "v", "dO", "lse", "dsum", "dk", "dv")})
+                  __global vec_t *restrict dk, __global vec_t *restrict dv,${" __global float *restrict ds," if store_ds else ""}
+                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["ds"] * store_ds)})
 {
     __local coef_t cp[BQ * BK / TR], cds[BQ * BK / TR];
     ${prologue()}
@@ -358,6 +427,9 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
     const uint k0 = (gid / per) * BK, w = (gid % per) / nkv, g = (gid % per) % nkv;
     const uint tok0 = w * T, rep = nh / nkv;
     for (uint h = g * rep; h < (g + 1) * rep; ++h) {
+% if store_ds:
+        const idx_t dsbase = ((idx_t)w * nh + h) * ((idx_t)T * (T + 1) / 2);
+% endif
         for (uint q0 = (k0 / BQ) * BQ; q0 < T; q0 += BQ) {
             const bool masked = q0 < k0 + BK || q0 + BQ > T;
             ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked")}
@@ -377,7 +449,7 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
     ${store(1, "dk", "(idx_t)(tok0 + {pos}) * nkv + g", "k0")}
 % endif
 }
-% else:
+% elif kind == "dq":
 #define CROW BQ                      // row length of the dSᵀ tile ([k][q])
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restrict k,
@@ -399,6 +471,25 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
         ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], ["sk_"], "0", "min((uint)BK, qlast + 1 - k0)", "k0",
                       "masked", lambda j, i: "k0 + %s <= q0 + %s" % (j, i))}
     }
+    ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}
+}
+% else:
+#define JCP (JC + 1)                 // row stride of the staged dS chunk, padded against bank conflicts
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dqs(__global const vec_t *restrict k, __global const float *restrict ds,
+                  __global vec_t *restrict dq,
+                  const uint T, const uint nh, const uint nkv, const uint nwin${checked_args("k", "ds", "dq")})
+{
+    __local float sds[BQ * JCP];
+    ${prologue()}
+    const uint gid = get_group_id(0), per = nwin * nh;
+    const uint q0 = ((T - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;
+    const uint tok0 = w * T, g = h / (nh / nkv);
+    const uint qlast = min(q0 + BQ, T) - 1;
+    const idx_t dsbase = ((idx_t)w * nh + h) * ((idx_t)T * (T + 1) / 2);
+    // every key up to the block's last query, JC at a time; chunks reaching past q0 are masked
+    ${accumulate(["sds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], None, "0", "qlast + 1", "0",
+                  "j0 + JC > q0 + 1", lambda j, i: "%s <= q0 + %s" % (j, i))}
     ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}
 }
 % endif

@@ -170,10 +170,16 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
 # (row, head) into a scratch array, dK/dV (one work-group per key block, window
 # and kv head, looping over the group's query heads and the query blocks from the
 # diagonal on) and dQ (one work-group per query block, window and head). No
-# atomics: the result is the same bit for bit on every run.
+# atomics: the result is the same bit for bit on every run. dQ comes one of two
+# ways (``store_ds``):
+#   stored  the dK/dV pass also writes dS (the causal triangle of each window and
+#           head: windows·nh·window·(window+1)/2 floats of scratch) and the dQ
+#           pass ("dqs") computes dQ = dS·K from it;
+#   recomputed  the dQ pass ("dq") computes S, dP and dS again: no scratch,
+#           but three matrix products per block pair instead of one.
 #
-# Op names in the tuning database: "attention_bwd_dkv" and "attention_bwd_dq",
-# shape class {"hd": hd}. Both take the same parameter names:
+# Op names in the tuning database: "attention_bwd_dkv", "attention_bwd_dq" and
+# "attention_bwd_dqs", shape class {"hd": hd}. dkv and dq take the same names:
 #   wg  work-items per group; must equal split·(bq/sq)·(bk/sk) and, with
 #       rows = bk for dkv (key rows accumulated), bq for dq (query rows),
 #       split·(bk/tr)·(hd/td) for dkv, (bq/tr)·(hd/td) for dq.
@@ -190,11 +196,16 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
 #   td  accumulator head-dim columns per work-item; divides hd, a multiple of vw.
 #   vw  vector width of loads and accumulators: 1, 2 or 4.
 # Local memory: 4·(max((2·bq + 2·bk)·(dc/vw + 1)·vw, m·jc·hd) + m·bq·bk) bytes,
-# m = 2 for dkv, 1 for dq. A set that breaks a rule or does not fit the device
-# raises LimitError (a ValueError) naming the rule.
+# m = 2 for dkv, 1 for dq.
+# dqs takes wg, bq, jc (keys of K and columns of dS staged per step, any
+# positive count), tr, td and vw as dq does, with wg = (bq/tr)·(hd/td); local
+# memory 4·(jc·hd + bq·(jc + 1)) bytes.
+# A set that breaks a rule or does not fit the device raises LimitError (a
+# ValueError) naming the rule.
 
 BWD_TEMPLATE = "attention_bwd.cl.mako"
 BWD_NAMES = ("wg", "split", "bq", "bk", "sq", "sk", "dc", "jc", "tr", "td", "vw")
+DQS_NAMES = ("wg", "bq", "jc", "tr", "td", "vw")
 
 
 def _bwd_mats(kind):
@@ -202,6 +213,8 @@ def _bwd_mats(kind):
 
 
 def _bwd_local_bytes(kind, hd, p):
+    if kind == "dqs":
+        return 4 * (p["jc"] * hd + p["bq"] * (p["jc"] + 1))
     m = _bwd_mats(kind)
     # step 2 stages its operand only when step 1 did not hold the whole head dim (dc < hd)
     stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"],
@@ -218,13 +231,17 @@ def bwd_tile_wg(kind, hd, p):
 
 def _bwd_rules(kind, hd, p):
     rows, rname = (p["bk"], "bk") if kind == "dkv" else (p["bq"], "bq")
-    chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
-    return (
-        (p["split"] in (1, 2), "split must be 1 or 2"),
+    step2 = (
         (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
-        (hd % p["dc"] == 0 and p["dc"] % p["vw"] == 0, "dc must divide hd and be a multiple of vw"),
         (hd % p["td"] == 0 and p["td"] % p["vw"] == 0, "td must divide hd and be a multiple of vw"),
         (p["tr"] in (1, 2, 4, 8, 16) and rows % p["tr"] == 0, f"tr must be 1, 2, 4, 8 or 16 and divide {rname}"),
+    )
+    if kind == "dqs":
+        return step2 + ((bwd_tile_wg(kind, hd, p) == p["wg"], "wg must equal (bq/tr)·(hd/td)"),)
+    chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
+    return step2 + (
+        (p["split"] in (1, 2), "split must be 1 or 2"),
+        (hd % p["dc"] == 0 and p["dc"] % p["vw"] == 0, "dc must divide hd and be a multiple of vw"),
         (p["bq"] % p["sq"] == 0 and p["bk"] % p["sk"] == 0, "sq must divide bq and sk divide bk"),
         (chunked % p["jc"] == 0, f"jc must divide {cname}"),
         (p["split"] * (p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"], "wg must equal split·(bq/sq)·(bk/sk)"),
@@ -234,7 +251,7 @@ def _bwd_rules(kind, hd, p):
 
 
 def bwd_heuristic(dev, kind, hd):
-    """Backward tiles for ``kind`` ("dkv" or "dq"): the largest accumulator tile
+    """Backward tiles for ``kind`` ("dkv", "dq" or "dqs"): the largest accumulator tile
     (at most 64 floats per work-item when possible) on up to 128 (GPU) or 256 work-items."""
     # vw and the columns per work-item: as many column groups as hd allows, td ≤ 32 where possible
     for vw in (4, 2, 1):
@@ -251,6 +268,8 @@ def bwd_heuristic(dev, kind, hd):
     fits = [t for t in tiles if m * t[1] * td <= 64] or [min(tiles, key=lambda t: t[1])]
     rows, tr = max(fits, key=lambda t: ((t[0] // t[1]) * ncol, t[1]))
     wg = (rows // tr) * ncol
+    if kind == "dqs":
+        return {"wg": wg, "bq": rows, "jc": 16, "tr": tr, "td": td, "vw": vw}
     for other in (64, 32, 16, 8, 4, 2, 1):
         if (rows * other) % wg == 0 and rows * other // wg <= 16:
             break
@@ -273,15 +292,32 @@ def bwd_params(dev, kind, hd):
 
 def bwd_check(dev, kind, hd, p):
     """``p`` if ``dev`` can run the ``kind`` pass with it at head dim ``hd``; else LimitError saying why."""
-    return _check_tiles(dev, f"attention_bwd_{kind} hd={hd}", p, BWD_NAMES, lambda p: _bwd_rules(kind, hd, p),
+    return _check_tiles(dev, f"attention_bwd_{kind} hd={hd}", p, DQS_NAMES if kind == "dqs" else BWD_NAMES,
+                        lambda p: _bwd_rules(kind, hd, p),
                         lambda p: p["wg"], "", lambda p: _bwd_local_bytes(kind, hd, p))
 
 
-def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, dq=None, dk=None, dv=None, wait_for=None,
-                  allocator=None):
+def ds_scratch_floats(windows, window, nh):
+    """Floats of the dS scratch of the stored way: the causal triangle of each window and head."""
+    return windows * nh * window * (window + 1) // 2
+
+
+def store_ds_default(dev, scratch_bytes):
+    """attention_bwd's choice when ``store_ds`` is None: store dS when its scratch fits one
+    allocation and takes at most an eighth of the device's global memory."""
+    return scratch_bytes <= min(dev.max_mem_alloc_size, dev.global_mem_size // 8)
+
+
+def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=None, dq=None, dk=None, dv=None,
+                  wait_for=None, allocator=None):
     """``(dq, dk, dv)`` of :func:`attention` given its ``o``, ``lse`` and the output gradient ``do``.
 
     ``dk`` and ``dv`` are summed over the query heads that share each kv head.
+    ``store_ds``: True, the dK/dV pass stores dS in a scratch array of
+    ``4·windows·nh·window·(window + 1)/2`` bytes and dQ is computed from it; False,
+    the dQ pass recomputes it (no scratch, more arithmetic); None (default): stored
+    when the scratch takes at most an eighth of the device's global memory and
+    fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE).
     """
     n, nh, nkv, hd, windows = _check_geometry(queue, q, k, v, window)
     scale = _scale(scale, hd)
@@ -289,25 +325,41 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, dq=None, dk
     check_array("lse", lse, queue, shape=(n, nh))
     check_array("do", do, queue, shape=q.shape)
     dev = queue.device
-    pk, pq = bwd_params(dev, "dkv", hd), bwd_params(dev, "dq", hd)
-    idx = index_type(n * nh * hd)
-    kv_knl = kernels(queue, BWD_TEMPLATE, dict(pk, kind="dkv", hd=hd, idx=idx), work_group_size=pk["wg"])
-    q_knl = kernels(queue, BWD_TEMPLATE, dict(pq, kind="dq", hd=hd, idx=idx), work_group_size=pq["wg"])["attn_bwd_dq"]
+    scratch = ds_scratch_floats(windows, window, nh)
+    if store_ds is None:
+        store_ds = store_ds_default(dev, 4 * scratch)
+    elif not isinstance(store_ds, bool):
+        raise TypeError(f"store_ds: expected True, False or None, got {store_ds!r}")
+    elif store_ds and 4 * scratch > dev.max_mem_alloc_size:
+        raise LimitError(f"store_ds: the dS scratch takes {4 * scratch} bytes, more than the device's "
+                         f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({dev.max_mem_alloc_size})")
+    qkind = "dqs" if store_ds else "dq"
+    pk, pq = bwd_params(dev, "dkv", hd), bwd_params(dev, qkind, hd)
+    idx = index_type(n * nh * hd, scratch if store_ds else 0)
+    kv_knl = kernels(queue, BWD_TEMPLATE, dict(pk, kind="dkv", hd=hd, idx=idx, store_ds=int(store_ds)),
+                     work_group_size=pk["wg"])
+    q_knl = kernels(queue, BWD_TEMPLATE, dict(pq, kind=qkind, hd=hd, idx=idx),
+                    work_group_size=pq["wg"])["attn_bwd_" + qkind]
     dq = output("dq", dq, queue, q.shape, allocator)
     dk = output("dk", dk, queue, k.shape, allocator)
     dv = output("dv", dv, queue, k.shape, allocator)
     dsum = output("dsum", None, queue, (n, nh), allocator)  # scratch: D = Σ dO·O
+    ds = output("ds", None, queue, (scratch,), allocator) if store_ds else None  # scratch: dS
     rows = n * nh
     e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // pk["wg"]),),
                                     [o.data, do.data, dsum.data, np.uint32(rows)],
                                     wait_for=events(wait_for, o, do, dsum))
-    geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows), np.float32(scale * LOG2E),
-            np.float32(scale)]
+    geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
+    coefs = [np.float32(scale * LOG2E), np.float32(scale)]
     ins = [q.data, k.data, v.data, do.data, lse.data, dsum.data]
-    e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,), ins + [dk.data, dv.data] + geom,
-                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv))
-    e_q = q_knl(queue, (-(-window // pq["bq"]) * windows * nh,), ins + [dq.data] + geom,
-                wait_for=[e_sum] + events(None, q, k, v, lse, dq))
+    e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,),
+                                  ins + [dk.data, dv.data] + ([ds.data] if store_ds else []) + geom + coefs,
+                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, *([ds] if store_ds else [])))
+    q_groups = (-(-window // pq["bq"]) * windows * nh,)
+    if store_ds:
+        e_q = q_knl(queue, q_groups, [k.data, ds.data, dq.data] + geom, wait_for=[e_kv] + events(None, dq))
+    else:
+        e_q = q_knl(queue, q_groups, ins + [dq.data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
     dk.add_event(e_kv)
     dv.add_event(e_kv)
     dq.add_event(e_q)

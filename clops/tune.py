@@ -174,13 +174,13 @@ def _attention_fwd(queue, sc, pb):
                 attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
-def _attention_bwd(products):
-    """The backward, its work counted as ``products`` matrix products of a forward's size each
-    (dkv: S, dP, dV, dK; dq: S, dP, dQ)."""
-    return lambda queue, sc, pb: _attention_bwd_case(queue, sc, pb, products)
+def _attention_bwd(products, store_ds):
+    """The backward (dQ the way ``store_ds`` says, as attention_bwd takes it), its work counted as
+    ``products`` matrix products of a forward's size each (dkv: S, dP, dV, dK; dq: S, dP, dQ; dqs: dQ)."""
+    return lambda queue, sc, pb: _attention_bwd_case(queue, sc, pb, products, store_ds)
 
 
-def _attention_bwd_case(queue, sc, pb, products):
+def _attention_bwd_case(queue, sc, pb, products, store_ds):
     q, k, v = _attention_data(pb, sc["hd"])
     dq, dk, dv = _upload(queue, q, k, v)
     pool = _pool(queue)
@@ -190,7 +190,7 @@ def _attention_bwd_case(queue, sc, pb, products):
     o, lse = o_.get(), lse_.get()
     do = ref.rnd(o.shape, 4, 1.0)
     dev_args = (dq, dk, dv, o_, lse_, *_upload(queue, do))
-    return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], allocator=pool),
+    return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], store_ds=store_ds, allocator=pool),
                 lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), (BWD,) * 3, "TFLOP/s",
                 products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
@@ -265,9 +265,26 @@ def _bwd_family(kind):
         f"attention_bwd_{kind}", ("attention_bwd.cl.mako",), {"hd": 128},
         lambda sc: {"bq": [16, 32, 64], "bk": [16, 32, 64], "tr": [1, 2, 4, 8], "td": [8, 16, 32, 64],
                     "vw": [2, 4], "dc": [8, 16, 32], "jc": [4, 8, 16], "sq": [1, 2, 4], "split": [1, 2]},
-        restrictions, _attention_problem, _attention_bwd(4 if kind == "dkv" else 3),
-        f"attention_bwd on [windows·window, nh|nkv, hd], timing {' + '.join(names)}",
+        restrictions, _attention_problem, _attention_bwd(4, None) if kind == "dkv" else _attention_bwd(3, False),
+        f"attention_bwd on [windows·window, nh|nkv, hd], timing {' + '.join(names)}"
+        + (" (dS stored where attention_bwd stores it)" if kind == "dkv" else " (dQ recomputing dS)"),
         derive=_bwd_derive(kind), kernels=names)
+
+
+def _dqs_family():
+    restrictions = (
+        _divides("tr", "bq"), _divides("vw", "td"),
+        ("td divides hd", lambda p, dev, sc: sc["hd"] % p["td"] == 0),
+        _wg_fits(lambda p: p["wg"]),
+        ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _accepted_by(lambda dev, hd, p: bwd_check(dev, "dqs", hd, p))),
+    )
+    return Family(
+        "attention_bwd_dqs", ("attention_bwd.cl.mako",), {"hd": 128},
+        lambda sc: {"bq": [16, 32, 64, 128], "tr": [1, 2, 4, 8, 16], "td": [8, 16, 32, 64], "vw": [2, 4],
+                    "jc": [8, 16, 32, 64]},
+        restrictions, _attention_problem, _attention_bwd(1, True),
+        "attention_bwd on [windows·window, nh|nkv, hd] with dS stored, timing attn_bwd_dqs",
+        derive=lambda p, sc: dict(p, wg=bwd_tile_wg("dqs", sc["hd"], p)), kernels=("attn_bwd_dqs",))
 
 
 def _attention_problem(sc, small):
@@ -309,6 +326,7 @@ FAMILIES = {
         _attention_problem, _attention_fwd, "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
+    "attention_bwd_dqs": _dqs_family(),
     "qk_norm_rope": Family(
         "qk_norm_rope", ("qk_norm_rope.cl.mako",), {"hd": 128},
         lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "upg": [1, 2, 4, 8], "rb": [8, 16, 32, 64]},

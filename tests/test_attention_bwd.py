@@ -3,6 +3,9 @@
 o and lse come from the reference forward (rounded to float32), so these tests
 exercise the backward alone.
 """
+import math
+import types
+
 import numpy as np
 import pyopencl.array as cla
 import pytest
@@ -10,9 +13,15 @@ import pytest
 import clops
 from clops import reference as ref
 from clops import tuning
-from clops.attention import bwd_params
+from clops.attention import bwd_params, store_ds_default
 
 TOL = 1e-5
+
+
+@pytest.fixture(params=[True, False], ids=["ds-stored", "ds-recomputed"])
+def store_ds(request):
+    """Both ways to dQ: from the dS the dK/dV pass stored, or recomputing it."""
+    return request.param
 
 
 def _inputs(windows, window, nh, nkv, hd, scale=None, mag=1.0):
@@ -28,36 +37,36 @@ def _run(queue, arrays, window, **kw):
     return [g.get() for g in clops.attention_bwd(queue, *dev, window=window, **kw)]
 
 
-def _check(queue, windows, window, nh, nkv, hd, scale=None, mag=1.0):
+def _check(queue, store_ds, windows, window, nh, nkv, hd, scale=None, mag=1.0):
     arrays = _inputs(windows, window, nh, nkv, hd, scale, mag)
-    got = _run(queue, arrays, window, scale=scale)
+    got = _run(queue, arrays, window, scale=scale, store_ds=store_ds)
     want = ref.attention_bwd(*arrays, window=window, scale=scale)
     errs = [ref.rel_err(g, w) for g, w in zip(got, want)]
     assert max(errs) <= TOL, dict(zip(("dq", "dk", "dv"), errs))
     return got
 
 
-def test_reference_shape(queue):
-    _check(queue, 2, 37, 6, 2, 256)
+def test_reference_shape(queue, store_ds):
+    _check(queue, store_ds, 2, 37, 6, 2, 256)
 
 
 @pytest.mark.parametrize("hd", [8, 40, 64, 80, 96, 128, 256])
-def test_head_dims(queue, hd):
-    _check(queue, 2, 21, 2, 1, hd)
+def test_head_dims(queue, store_ds, hd):
+    _check(queue, store_ds, 2, 21, 2, 1, hd)
 
 
 @pytest.mark.parametrize("window", [15, 16, 17, 100])
 @pytest.mark.parametrize("nkv", [1, 2])
-def test_windows_and_groups(queue, window, nkv):
-    _check(queue, 2, window, 2, nkv, 32)
+def test_windows_and_groups(queue, store_ds, window, nkv):
+    _check(queue, store_ds, 2, window, 2, nkv, 32)
 
 
 @pytest.mark.parametrize("nkv", [1, 2])
-def test_window_of_one(queue, nkv):
+def test_window_of_one(queue, store_ds, nkv):
     # One key per window: P = 1 and dS = P·(dP − D) is rounding noise around 0, so dq and dk
     # are checked against the size of their terms, dv (= dO summed over the group) relatively.
     arrays = _inputs(3, 1, 2, nkv, 32)
-    dq, dk, dv = _run(queue, arrays, 1)
+    dq, dk, dv = _run(queue, arrays, 1, store_ds=store_ds)
     q, k, _, _, _, do = arrays
     _, _, want_dv = ref.attention_bwd(*arrays, window=1)
     assert ref.rel_err(dv, want_dv) <= TOL
@@ -65,16 +74,16 @@ def test_window_of_one(queue, nkv):
     assert np.linalg.norm(dk) <= TOL * np.linalg.norm(do) * np.linalg.norm(q)
 
 
-def test_explicit_scale(queue):
-    _check(queue, 2, 33, 4, 2, 40, scale=0.37)
+def test_explicit_scale(queue, store_ds):
+    _check(queue, store_ds, 2, 33, 4, 2, 40, scale=0.37)
 
 
-def test_large_logits_stay_finite(queue):
+def test_large_logits_stay_finite(queue, store_ds):
     # |q·k|·scale reaches ~1e3: P is near one-hot and exp2 arguments are far from 0.
     arrays = _inputs(2, 40, 4, 2, 64, mag=32.0)
     logit = np.abs(arrays[4]).max()
     assert logit > 500
-    got = _run(queue, arrays, 40)
+    got = _run(queue, arrays, 40, store_ds=store_ds)
     assert all(np.isfinite(g).all() for g in got)
     # float32 scores of size L carry errors of a few L·2⁻²⁴, which P = exp(S − lse) turns into
     # relative errors: at L ~ 1e3 that is ~5e-5, beyond TOL for any float32 kernel.
@@ -92,12 +101,12 @@ def test_given_outputs_are_written(queue):
     assert max(ref.rel_err(g.get(), w) for g, w in zip(got, want)) <= TOL
 
 
-def test_deterministic(queue):
+def test_deterministic(queue, store_ds):
     arrays = _inputs(2, 45, 4, 2, 64)
     dev = [cla.to_device(queue, a) for a in arrays]
-    first = [g.get() for g in clops.attention_bwd(queue, *dev, window=45)]
+    first = [g.get() for g in clops.attention_bwd(queue, *dev, window=45, store_ds=store_ds)]
     for _ in range(3):
-        again = [g.get() for g in clops.attention_bwd(queue, *dev, window=45)]
+        again = [g.get() for g in clops.attention_bwd(queue, *dev, window=45, store_ds=store_ds)]
         assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(first, again))
 
 
@@ -122,6 +131,13 @@ VARIANTS = {
         {"wg": 20, "bq": 10, "bk": 12, "sq": 2, "sk": 6, "dc": 8, "jc": 4, "tr": 1, "td": 20, "vw": 4, "split": 2},
         {"wg": 40, "bq": 20, "bk": 8, "sq": 2, "sk": 4, "dc": 40, "jc": 4, "tr": 2, "td": 10, "vw": 2, "split": 2},
     ],
+    # dQ from stored dS: chunks of dS that do not fill the group's last load (bq·jc not a multiple of wg)
+    "dqs": [
+        {"wg": 20, "bq": 10, "jc": 7, "tr": 2, "td": 10, "vw": 1},
+        {"wg": 40, "bq": 20, "jc": 4, "tr": 1, "td": 20, "vw": 2},
+        {"wg": 10, "bq": 16, "jc": 3, "tr": 8, "td": 8, "vw": 4},
+        {"wg": 4, "bq": 8, "jc": 40, "tr": 4, "td": 20, "vw": 4},
+    ],
 }
 
 
@@ -132,9 +148,37 @@ def test_tile_variants(queue, kind, params):
     tuning.override(op, {"hd": 40}, params)
     try:
         assert bwd_params(queue.device, kind, 40) == params
-        _check(queue, 2, 37, 4, 2, 40)
+        # dkv runs in both ways (it stores dS in one); dq and dqs in theirs
+        for store in {"dkv": (True, False), "dq": (False,), "dqs": (True,)}[kind]:
+            _check(queue, store, 2, 37, 4, 2, 40)
     finally:
         tuning.override(op, {"hd": 40}, None)
+
+
+def test_store_ds_default_follows_device_memory():
+    dev = types.SimpleNamespace(max_mem_alloc_size=2**30, global_mem_size=2**34)
+    assert store_ds_default(dev, 2**30) and not store_ds_default(dev, 2**30 + 1)  # one allocation
+    dev.global_mem_size = 2**32
+    assert store_ds_default(dev, 2**29) and not store_ds_default(dev, 2**29 + 1)  # an eighth of the memory
+
+
+@pytest.mark.parametrize("store_ds, kernel", [(None, "attn_bwd_dqs"), (True, "attn_bwd_dqs"), (False, "attn_bwd_dq")])
+def test_store_ds_picks_the_dq_pass(queue, store_ds, kernel):
+    dev = [cla.to_device(queue, a) for a in _inputs(2, 9, 2, 1, 16)]
+    with clops.profile(queue) as prof:  # a small scratch: None stores
+        clops.attention_bwd(queue, *dev, window=9, store_ds=store_ds)
+    assert [r.name for r in prof.launches] == ["attn_bwd_dsum", "attn_bwd_dkv", kernel]
+
+
+def test_store_ds_beyond_one_allocation_is_refused(queue):
+    # one window long enough that its dS triangle (4·T·(T+1)/2 bytes) exceeds CL_DEVICE_MAX_MEM_ALLOC_SIZE
+    window = 1 << math.ceil(math.log2(math.sqrt(queue.device.max_mem_alloc_size / 2)) + 1)
+    q, k = cla.zeros(queue, (window, 1, 8), np.float32), cla.zeros(queue, (window, 1, 8), np.float32)
+    lse = cla.zeros(queue, (window, 1), np.float32)
+    with pytest.raises(clops.LimitError, match="^store_ds: .*CL_DEVICE_MAX_MEM_ALLOC_SIZE"):
+        clops.attention_bwd(queue, q, k, k, q, lse, q, window=window, store_ds=True)
+    with pytest.raises(TypeError, match="^store_ds: "):
+        clops.attention_bwd(queue, q, k, k, q, lse, q, window=window, store_ds=1)
 
 
 GOOD = {"wg": 64, "split": 1, "bq": 16, "bk": 16, "sq": 2, "sk": 2, "dc": 8, "jc": 8, "tr": 1, "td": 4, "vw": 4}

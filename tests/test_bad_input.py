@@ -163,6 +163,7 @@ SPECIFIC = [
     *[(op, "nh % nkv != 0", "k", ValueError, _attn(NH, 3, HD)) for op in ("attention", "attention_bwd")],
     *[(op, "k of other tokens", "k", ValueError, _tokens(AN + AW)) for op in ("attention", "attention_bwd")],
     *[(op, "scale infinite", "scale", ValueError, _scalar(scale=float("inf"))) for op in ("attention", "attention_bwd")],
+    ("attention_bwd", "store_ds not a bool", "store_ds", TypeError, _scalar(store_ds="yes")),
     *[(op, "head dim not a multiple of 4", "x", ValueError, _qk(6, rope=(QW, 1, 2)))
       for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
     *[(op, "rotary half above hd/2", "rope", ValueError, _qk(QD, rope=(QW, 5, 2)))
@@ -231,15 +232,22 @@ LIMITS = [
     # (bq/sq)·(bk/sk) = (bq/tr)·(hd/td) = wg: 2 × the device's work-group limit
     ("attention_bwd", "attention_bwd_dq", {"hd": HD},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "bq": dev.max_work_group_size // 4, "bk": 8, "sq": 1, "sk": 1,
-                  "dc": 8, "jc": 8, "tr": 1, "td": 1, "vw": 1, "split": 1}, "work-items"),
+                  "dc": 8, "jc": 8, "tr": 1, "td": 1, "vw": 1, "split": 1}, "work-items", {"store_ds": False}),
+    ("attention_bwd", "attention_bwd_dqs", {"hd": HD},
+     lambda dev: {"wg": 2 * dev.max_work_group_size, "bq": dev.max_work_group_size // 4, "jc": 8, "tr": 1, "td": 1,
+                  "vw": 1}, "work-items", {"store_ds": True}),
+    ("attention_bwd", "attention_bwd_dqs", {"hd": HD},
+     lambda dev: {"wg": 8, "bq": 8, "jc": dev.local_mem_size // 32, "tr": 1, "td": HD, "vw": 1}, "local memory",
+     {"store_ds": True}),
 ]
 
 
-@pytest.mark.parametrize("op, tuned, shape_class, params, named", LIMITS, ids=[f"{r[1]}-{r[4]}" for r in LIMITS])
-def test_parameters_beyond_the_device_are_refused(queue, monkeypatch, op, tuned, shape_class, params, named):
+@pytest.mark.parametrize("op, tuned, shape_class, params, named, kw", [r if len(r) == 6 else r + ({},) for r in LIMITS],
+                         ids=[f"{r[1]}-{r[4]}" for r in LIMITS])
+def test_parameters_beyond_the_device_are_refused(queue, monkeypatch, op, tuned, shape_class, params, named, kw):
     tuning.override(tuned, shape_class, params(queue.device), device=queue.device)
     try:
-        _check_refused(queue, monkeypatch, op, named, ValueError, {})
+        _check_refused(queue, monkeypatch, op, named, ValueError, dict(kw))
     finally:
         tuning.override(tuned, shape_class, None, device=queue.device)
 

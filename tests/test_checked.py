@@ -100,7 +100,7 @@ def _attention_dsum_rows(queue, small=8, big=40, hd=8):
     from clops.attention import BWD_TEMPLATE, bwd_params
 
     p = bwd_params(queue.device, "dkv", hd)
-    knl = kernels(queue, BWD_TEMPLATE, dict(p, kind="dkv", hd=hd, idx="uint"), work_group_size=p["wg"])
+    knl = kernels(queue, BWD_TEMPLATE, dict(p, kind="dkv", hd=hd, idx="uint", store_ds=0), work_group_size=p["wg"])
     o, dsum = _zeros(queue, small, hd), _zeros(queue, small)
     return knl["attn_bwd_dsum"], (-(-big // p["wg"]),), [o.data, o.data, dsum.data, np.uint32(big)]
 

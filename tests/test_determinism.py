@@ -60,7 +60,10 @@ def _attention(queue):
     o, lse = clops.attention(queue, q, k, v, window=window)
     return {
         "attention": lambda: list(clops.attention(queue, q, k, v, window=window)),
-        "attention_bwd": lambda: list(clops.attention_bwd(queue, q, k, v, o, lse, do, window=window)),
+        "attention_bwd (dS stored)": lambda: list(clops.attention_bwd(queue, q, k, v, o, lse, do, window=window,
+                                                                       store_ds=True)),
+        "attention_bwd (dS recomputed)": lambda: list(clops.attention_bwd(queue, q, k, v, o, lse, do, window=window,
+                                                                           store_ds=False)),
     }
 
 

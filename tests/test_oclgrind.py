@@ -146,11 +146,13 @@ def run_attention(queue):
     small = {"bq": 8, "rq": 2, "tx": 2, "bk": 8, "vw": 1, "dc": 8, "kc": 4}
     cpu = {"bq": 16, "rq": 4, "tx": 4, "bk": 16, "vw": 4, "dc": 32, "kc": 16}
     # forward dc = 8: Q resident at hd 8, staged in chunks at hd 16; backward: dc = 4 (step 2
-    # restages), and the heuristic's dc = hd (step 2 reads step 1's tiles); split = 1 and 2
+    # restages), and the heuristic's dc = hd (step 2 reads step 1's tiles); split = 1 and 2;
+    # dQ from stored dS (dqs: a last dS load that only some work-items make) and recomputed
     for hd in (8, 16):
         bwd = {"wg": 8, "bq": 8, "bk": 8, "sq": 2, "sk": 4, "dc": 4, "jc": 4, "tr": 2, "td": hd // 2, "vw": 1, "split": 1}
         halves_kv = dict(bwd, split=2, sk=8, td=hd)  # 2·(8/2)·(8/8) = 2·(8/2)·(hd/hd) = 8 work-items
         halves_q = dict(bwd, split=2, sk=8)  # dq: (8/2)·(hd/(hd/2)) = 8
+        stored_q = {"wg": 8, "bq": 4, "jc": 3, "tr": 1, "td": hd // 2, "vw": 1}  # (4/1)·2 = 8; 12 dS per chunk
         n = windows * window
         q, k, v, do = rnd((n, nh, hd), 31, 1.0), rnd((n, nkv, hd), 32, 1.0), rnd((n, nkv, hd), 33, 1.0), rnd(
             (n, nh, hd), 34, 1.0)
@@ -162,14 +164,16 @@ def run_attention(queue):
             tuning.override("attention_fwd", {"hd": hd}, fwd)
             tuning.override("attention_bwd_dkv", {"hd": hd}, back_kv)
             tuning.override("attention_bwd_dq", {"hd": hd}, back_q)
+            tuning.override("attention_bwd_dqs", {"hd": hd}, back_q and stored_q)
             (o, lse), (wo, wlse) = clops.attention(queue, q_, k_, v_, window=window), ref.attention(
                 q, k, v, window=window)
             _expect("attention o", o, wo)
             _expect("attention lse", lse, wlse)
-            grads = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=window)
-            for name, got, want in zip(("dq", "dk", "dv"), grads, ref.attention_bwd(q, k, v, wo, wlse, do,
-                                                                                   window=window)):
-                _expect("attention_bwd " + name, got, want)
+            want = ref.attention_bwd(q, k, v, wo, wlse, do, window=window)
+            for store_ds in (True, False):
+                grads = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=window, store_ds=store_ds)
+                for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+                    _expect(f"attention_bwd {name} (store_ds={store_ds})", got, w)
 
 
 # family: (runner, the templates whose every kernel the runner must launch)

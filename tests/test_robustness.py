@@ -171,10 +171,10 @@ NAN_AT = {"q": (WINDOW + 40, 3, 5), "k": (2 * WINDOW + 9, 0, 2), "v": (2 * WINDO
           "do": (WINDOW + 2, 2, 11)}  # (token, head, column) of the NaN in each input
 
 
-def _attention(queue, q, k, v, do):
+def _attention(queue, q, k, v, do, store_ds):
     q_, k_, v_, do_ = to_device(queue, q, k, v, do)
     o, lse = clops.attention(queue, q_, k_, v_, window=WINDOW)
-    dq, dk, dv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW)
+    dq, dk, dv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW, store_ds=store_ds)
     return {name: a.get() for name, a in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))}
 
 
@@ -205,9 +205,10 @@ def _nan_pattern(source):
     return want
 
 
+@pytest.mark.parametrize("store_ds", [True, False])  # dQ from stored dS, or recomputed
 @pytest.mark.parametrize("dc", [HD // 2, HD])  # the backward's two step-2 paths: restaged, or step 1's tiles
 @pytest.mark.parametrize("source", sorted(NAN_AT))
-def test_attention_nan_stays_in_its_dependants(queue, source, dc):
+def test_attention_nan_stays_in_its_dependants(queue, source, dc, store_ds):
     inputs = dict(zip(("q", "k", "v", "do"), (rnd((N, NH, HD), 25), rnd((N, NKV, HD), 26),
                                                rnd((N, NKV, HD), 27), rnd((N, NH, HD), 28))))
     inputs[source][NAN_AT[source]] = np.nan
@@ -215,7 +216,7 @@ def test_attention_nan_stays_in_its_dependants(queue, source, dc):
     for kind in ops:
         tuning.override("attention_bwd_" + kind, {"hd": HD}, dict(bwd_heuristic(queue.device, kind, HD), dc=dc))
     try:
-        got = _attention(queue, *inputs.values())
+        got = _attention(queue, *inputs.values(), store_ds)
     finally:
         for kind in ops:
             tuning.override("attention_bwd_" + kind, {"hd": HD}, None)

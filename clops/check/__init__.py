@@ -77,9 +77,9 @@ def all_cases(families=FAMILIES):
 def run_all(queue, families=FAMILIES, out=print):
     """Run every case, print the table, return the rows."""
     rows = []
-    out(f"{'op':<28} {'shape':<34} {'rel err':>10} {'tol':>8} {'result':>6} {'kernel ms':>10}")
+    out(f"{'op':<33} {'shape':<34} {'rel err':>10} {'tol':>8} {'result':>6} {'kernel ms':>10}")
     for c in all_cases(families):
         for r in c.run(queue):
             rows.append(r)
-            out(f"{r.op:<28} {r.shape:<34} {r.err:>10.2e} {r.tol:>8.0e} {'pass' if r.ok else 'FAIL':>6} {r.ms:>10.3f}")
+            out(f"{r.op:<33} {r.shape:<34} {r.err:>10.2e} {r.tol:>8.0e} {'pass' if r.ok else 'FAIL':>6} {r.ms:>10.3f}")
     return rows

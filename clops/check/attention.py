@@ -27,14 +27,23 @@ def forward(queue):
             compare("attention lse", SHAPE, lse, want_lse, LSE_TOL)]
 
 
-@case("attention", "backward (seed shape)")
-def backward(queue):
+def _backward(queue, store_ds, how):
     # The device pipeline (forward, then backward on its o and lse) against the float64 reference.
     (q, k, v, do), (q_, k_, v_, do_) = inputs(queue)
     o, lse = clops.attention(queue, q_, k_, v_, window=WINDOW)
-    gq, gk, gv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW)
+    gq, gk, gv = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, window=WINDOW, store_ds=store_ds)
     want_o, want_lse = ref.attention(q, k, v, window=WINDOW)
     wq, wk, wv = ref.attention_bwd(q, k, v, want_o, want_lse, do, window=WINDOW)
-    return [compare("attention_bwd dq", SHAPE, gq, wq, O_TOL, gq.events),
-            compare("attention_bwd dk", SHAPE, gk, wk, O_TOL, gk.events),
-            compare("attention_bwd dv", SHAPE, gv, wv, O_TOL)]
+    return [compare(f"attention_bwd dq ({how})", SHAPE, gq, wq, O_TOL, gq.events),
+            compare(f"attention_bwd dk ({how})", SHAPE, gk, wk, O_TOL, gk.events),
+            compare(f"attention_bwd dv ({how})", SHAPE, gv, wv, O_TOL)]
+
+
+@case("attention", "backward, dS stored (seed shape)")
+def backward_stored(queue):
+    return _backward(queue, True, "dS stored")
+
+
+@case("attention", "backward, dS recomputed (seed shape)")
+def backward_recomputed(queue):
+    return _backward(queue, False, "dS recomputed")
