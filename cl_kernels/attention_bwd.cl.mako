@@ -1,7 +1,7 @@
 // clops attention backward: FlashAttention-2 style gradients of causal
 // grouped-query attention inside windows. Rendered once per pass (`kind`):
-//   "dkv": attn_bwd_dsum (D = Σ dO·O per (row, head), one row per work-item)
-//        and attn_bwd_dkv; rendered with store_ds, attn_bwd_dkv also writes the
+//   "dkv": attn_bwd_dsum (D = Σ dO·O per (row, head), `lanes` work-items per
+//        row) and attn_bwd_dkv; rendered with store_ds, attn_bwd_dkv also writes the
 //        visible entries of dS to `ds`, as it computes them;
 //   "dq":  attn_bwd_dq (recomputes S and dP);
 //   "dqs": attn_bwd_dqs (dQ = dS·K from the dS that attn_bwd_dkv stored).
@@ -50,7 +50,8 @@
 <%
     # step 1's parameters; dqs has no step 1 (None fails loudly if one is used)
     split, bk, sq, sk, dc = (context[x] for x in ("split", "bk", "sq", "sk", "dc")) if kind != "dqs" else (None,) * 5
-    store_ds = context["store_ds"] if kind == "dkv" else 0  # dkv writes dS for dqs
+    # dkv only: whether attn_bwd_dkv writes dS for dqs; attn_bwd_dsum's work-items per row
+    store_ds, lanes = (context["store_ds"], context["lanes"]) if kind == "dkv" else (0, None)
     rows = bk if kind == "dkv" else bq            # accumulator rows of step 2
     nacc = 2 if kind == "dkv" and split == 1 else 1  # accumulator matrices per work-item
     nc2 = hd // td                                 # work-items across head-dim columns in step 2
@@ -400,17 +401,28 @@ ${common.guards()}\
 </%def>
 
 % if kind == "dkv":
+// LANES work-items per row (consecutive lanes read consecutive vectors), each summing every
+// LANES-th vector of it; the row's first lane then adds the LANES sums in order.
+#define LANES ${lanes}
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dsum(__global const vec_t *restrict o, __global const vec_t *restrict dO,
                    __global float *restrict dsum, const uint rows${checked_args("o", "dO", "dsum")})
 {
-    const uint i = get_global_id(0);
-    if (i >= rows)
-        return;
+    __local float part[WG];
+    const uint lid = get_local_id(0), lane = lid % LANES, i = get_group_id(0) * (WG / LANES) + lid / LANES;
     vec_t acc = (vec_t)(0.0f);
-    for (uint c = 0; c < HDV; ++c)
-        acc += o[${at("o", "(idx_t)i * HDV + c")}] * dO[${at("dO", "(idx_t)i * HDV + c")}];
-    dsum[${at("dsum", "i")}] = ${" + ".join("acc" + e for e in comps)};
+    if (i < rows) {
+        for (uint c = lane; c < HDV; c += LANES)
+            acc += o[${at("o", "(idx_t)i * HDV + c")}] * dO[${at("dO", "(idx_t)i * HDV + c")}];
+    }
+    part[lid] = ${" + ".join("acc" + e for e in comps)};
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane == 0 && i < rows) {
+        float d = part[lid];
+        for (uint l = 1; l < LANES; ++l)
+            d += part[lid + l];
+        dsum[${at("dsum", "i")}] = d;
+    }
 }
 
 #define CROW BK                      // row length of the P / dS tiles ([q][k])

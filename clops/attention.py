@@ -297,6 +297,12 @@ def bwd_check(dev, kind, hd, p):
                         lambda p: p["wg"], "", lambda p: _bwd_local_bytes(kind, hd, p))
 
 
+def dsum_lanes(hd, p):
+    """Work-items per row of attn_bwd_dsum (rendered with the dkv parameters ``p``): up to 8
+    lanes that read the row's vectors side by side, as many as divide the row and the group."""
+    return math.gcd(hd // p["vw"], 8, p["wg"])
+
+
 def ds_scratch_floats(windows, window, nh):
     """Floats of the dS scratch of the stored way: the causal triangle of each window and head."""
     return windows * nh * window * (window + 1) // 2
@@ -336,7 +342,8 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     qkind = "dqs" if store_ds else "dq"
     pk, pq = bwd_params(dev, "dkv", hd), bwd_params(dev, qkind, hd)
     idx = index_type(n * nh * hd, scratch if store_ds else 0)
-    kv_knl = kernels(queue, BWD_TEMPLATE, dict(pk, kind="dkv", hd=hd, idx=idx, store_ds=int(store_ds)),
+    lanes = dsum_lanes(hd, pk)
+    kv_knl = kernels(queue, BWD_TEMPLATE, dict(pk, kind="dkv", hd=hd, idx=idx, store_ds=int(store_ds), lanes=lanes),
                      work_group_size=pk["wg"])
     q_knl = kernels(queue, BWD_TEMPLATE, dict(pq, kind=qkind, hd=hd, idx=idx),
                     work_group_size=pq["wg"])["attn_bwd_" + qkind]
@@ -346,7 +353,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     dsum = output("dsum", None, queue, (n, nh), allocator)  # scratch: D = Σ dO·O
     ds = output("ds", None, queue, (scratch,), allocator) if store_ds else None  # scratch: dS
     rows = n * nh
-    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // pk["wg"]),),
+    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // lanes)),),
                                     [o.data, do.data, dsum.data, np.uint32(rows)],
                                     wait_for=events(wait_for, o, do, dsum))
     geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
