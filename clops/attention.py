@@ -297,10 +297,11 @@ def bwd_check(dev, kind, hd, p):
                         lambda p: p["wg"], "", lambda p: _bwd_local_bytes(kind, hd, p))
 
 
-def dsum_lanes(hd, p):
-    """Work-items per row of attn_bwd_dsum (rendered with the dkv parameters ``p``): up to 8
-    lanes that read the row's vectors side by side, as many as divide the row and the group."""
-    return math.gcd(hd // p["vw"], 8, p["wg"])
+def dkv_render_params(hd, p, idx, store_ds):
+    """What the "dkv" pass of the template is rendered with: the dkv parameters ``p``, whether
+    attn_bwd_dkv stores dS, and ``lanes``, attn_bwd_dsum's work-items per row (up to 8 that read
+    the row's vectors side by side, as many as divide the row and the group)."""
+    return dict(p, kind="dkv", hd=hd, idx=idx, store_ds=int(store_ds), lanes=math.gcd(hd // p["vw"], 8, p["wg"]))
 
 
 def ds_scratch_floats(windows, window, nh):
@@ -342,29 +343,28 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     qkind = "dqs" if store_ds else "dq"
     pk, pq = bwd_params(dev, "dkv", hd), bwd_params(dev, qkind, hd)
     idx = index_type(n * nh * hd, scratch if store_ds else 0)
-    lanes = dsum_lanes(hd, pk)
-    kv_knl = kernels(queue, BWD_TEMPLATE, dict(pk, kind="dkv", hd=hd, idx=idx, store_ds=int(store_ds), lanes=lanes),
-                     work_group_size=pk["wg"])
+    kv_params = dkv_render_params(hd, pk, idx, store_ds)
+    kv_knl = kernels(queue, BWD_TEMPLATE, kv_params, work_group_size=pk["wg"])
     q_knl = kernels(queue, BWD_TEMPLATE, dict(pq, kind=qkind, hd=hd, idx=idx),
                     work_group_size=pq["wg"])["attn_bwd_" + qkind]
     dq = output("dq", dq, queue, q.shape, allocator)
     dk = output("dk", dk, queue, k.shape, allocator)
     dv = output("dv", dv, queue, k.shape, allocator)
     dsum = output("dsum", None, queue, (n, nh), allocator)  # scratch: D = Σ dO·O
-    ds = output("ds", None, queue, (scratch,), allocator) if store_ds else None  # scratch: dS
+    stored = [output("ds", None, queue, (scratch,), allocator)] if store_ds else []  # scratch: dS
     rows = n * nh
-    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // lanes)),),
+    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // kv_params["lanes"])),),
                                     [o.data, do.data, dsum.data, np.uint32(rows)],
                                     wait_for=events(wait_for, o, do, dsum))
     geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
     coefs = [np.float32(scale * LOG2E), np.float32(scale)]
     ins = [q.data, k.data, v.data, do.data, lse.data, dsum.data]
     e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,),
-                                  ins + [dk.data, dv.data] + ([ds.data] if store_ds else []) + geom + coefs,
-                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, *([ds] if store_ds else [])))
+                                  ins + [dk.data, dv.data] + [ds.data for ds in stored] + geom + coefs,
+                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, *stored))
     q_groups = (-(-window // pq["bq"]) * windows * nh,)
     if store_ds:
-        e_q = q_knl(queue, q_groups, [k.data, ds.data, dq.data] + geom, wait_for=[e_kv] + events(None, dq))
+        e_q = q_knl(queue, q_groups, [k.data, stored[0].data, dq.data] + geom, wait_for=[e_kv] + events(None, dq))
     else:
         e_q = q_knl(queue, q_groups, ins + [dq.data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
     dk.add_event(e_kv)

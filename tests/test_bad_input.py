@@ -216,7 +216,7 @@ def test_bad_input_is_refused(queue, monkeypatch, op, what, named, exc, make):
 
 
 # Template parameters the device cannot hold, through clops.tuning.override: (op, tuning op, shape
-# class, parameters, the parameter the error must name).
+# class, parameters, the parameter the error must name[, keyword arguments of the op call]).
 LIMITS = [
     ("add", "elementwise", {}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "ept": 1}, "wg"),
     ("rms_norm", "rms_norm", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1}, "wg"),

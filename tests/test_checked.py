@@ -97,14 +97,14 @@ def _attention_window(queue, small=8, big=40, nh=2, hd=8):
 
 def _attention_dsum_rows(queue, small=8, big=40, hd=8):
     """attn_bwd_dsum told of 40 (row, head) pairs, given 8."""
-    from clops.attention import BWD_TEMPLATE, bwd_params, dsum_lanes
+    from clops.attention import BWD_TEMPLATE, bwd_params, dkv_render_params
 
     p = bwd_params(queue.device, "dkv", hd)
-    lanes = dsum_lanes(hd, p)
-    knl = kernels(queue, BWD_TEMPLATE, dict(p, kind="dkv", hd=hd, idx="uint", store_ds=0, lanes=lanes),
-                  work_group_size=p["wg"])
+    params = dkv_render_params(hd, p, "uint", False)
+    knl = kernels(queue, BWD_TEMPLATE, params, work_group_size=p["wg"])
     o, dsum = _zeros(queue, small, hd), _zeros(queue, small)
-    return knl["attn_bwd_dsum"], (-(-big // (p["wg"] // lanes)),), [o.data, o.data, dsum.data, np.uint32(big)]
+    return knl["attn_bwd_dsum"], (-(-big // (p["wg"] // params["lanes"])),), [o.data, o.data, dsum.data,
+                                                                             np.uint32(big)]
 
 
 PLANTED = {"rms_norm_fwd": _rms_norm_rows, "qk_norm_rope_fwd": _qk_units, "attention_fwd": _attention_window,
