@@ -7,10 +7,11 @@ __version__ = "0.1.0"
 
 from .runtime import default_context, default_queue  # noqa: E402  (registers the CPU runtime first)
 from .program import BuildError, LimitError  # noqa: E402
+from .args import memory_pool  # noqa: E402
 from .profile import profile  # noqa: E402
-from .attention import attention, attention_bwd  # noqa: E402
+from .attn import attention, attention_bwd  # noqa: E402
 from .norm import rms_norm, rms_norm_bwd, rms_norm_dw  # noqa: E402
-from .qk_norm_rope import qk_norm_rope, qk_norm_rope_bwd  # noqa: E402
+from .qk_rope import qk_norm_rope, qk_norm_rope_bwd  # noqa: E402
 from .reference import rope_table  # noqa: E402  (a host helper: the reference's own function)
 from .elementwise import (  # noqa: E402
     add,
@@ -24,7 +25,7 @@ from .elementwise import (  # noqa: E402
 )
 
 __all__ = [
-    "BuildError", "LimitError", "default_context", "default_queue", "profile",
+    "BuildError", "LimitError", "default_context", "default_queue", "memory_pool", "profile",
     "attention", "attention_bwd",
     "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope", "qk_norm_rope_bwd", "rope_table",
     "add", "sigmoid_gate", "sigmoid_gate_bwd", "swiglu", "swiglu_bwd", "swiglu_gated", "swiglu_gated_bwd",

@@ -1,19 +1,38 @@
-"""Argument checks and output allocation shared by every op.
+"""Argument checks, allocation and event bookkeeping shared by every op.
 
 Every check runs before anything is enqueued and names the argument.
+
+Allocation: arrays an op creates (outputs and scratch) come from ``allocator`` when
+given (any callable taking a byte count and returning a ``pyopencl.Buffer`` of at
+least that size, e.g. a ``pyopencl.tools.MemoryPool``), else from one memory pool
+per context (:func:`memory_pool`). Every array an op's kernels use (its inputs,
+outputs and scratch) is held until those kernels have completed (polled, never
+waited for, at the next op call), so a pool never hands memory out while a kernel
+still uses it: not the op's scratch, and not an array its caller has dropped, on
+any queue or any number of queues sharing one pool.
+
+Events: an op's first kernel waits on ``wait_for`` plus the pending events of every
+array it reads or writes (pyopencl's ``.events``); each output's ``.events`` then
+becomes the op's kernels that wrote it, which completed means all it waited on
+completed too, so the lists never grow and nothing waits on the host.
 """
 from __future__ import annotations
+
+import collections
+import threading
+import weakref
 
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
+import pyopencl.tools as cl_tools
 
 # Profilers register here (clops.profile) to count host-side work; empty, counting costs one dict check.
 host_observers = {}
 
 
 def note(queue, what, amount=1):
-    """Tell profilers that clops did ``amount`` of ``what`` (e.g. "buffers", "buffer_bytes") on ``queue``."""
+    """Tell profilers that clops did ``amount`` of ``what`` ("buffers", "buffer_bytes") on ``queue``."""
     for observe in list(host_observers.values()):
         observe(queue, what, amount)
 
@@ -44,15 +63,94 @@ def check_array(name, arr, queue, shape=None, ndim=None):
     return arr
 
 
-def output(name, given, queue, shape, allocator):
-    """``given`` checked against ``shape``, or a new float32 array from ``allocator``."""
-    if given is None:
-        arr = cla.empty(queue, tuple(shape), np.float32, allocator=allocator)
-        if host_observers:
-            note(queue, "buffers")
-            note(queue, "buffer_bytes", arr.nbytes)
-        return arr
-    return check_array(name, given, queue, shape=shape)
+_pools = weakref.WeakKeyDictionary()  # context -> its default MemoryPool
+# (event, scratch arrays) not yet released, oldest first. Held strongly, whatever the context:
+# a queue's Python context object may go while its kernels still run.
+_held = collections.deque()
+_pool_lock = threading.Lock()
+
+
+def memory_pool(queue):
+    """The memory pool that ops on ``queue``'s context allocate from when no ``allocator`` is given
+    (``memory_pool(queue).free_held()`` gives its unused memory back to the device)."""
+    ctx = queue.context
+    pool = _pools.get(ctx)
+    if pool is None:
+        with _pool_lock:
+            pool = _pools.get(ctx)
+            if pool is None:
+                pool = _pools[ctx] = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    return pool
+
+
+def check_allocator(allocator):
+    if allocator is not None and not callable(allocator):
+        raise TypeError(f"allocator: expected a callable taking a byte count (e.g. a pyopencl.tools.MemoryPool), "
+                        f"got {type(allocator).__name__}")
+
+
+def new_array(queue, shape, allocator):
+    """A new float32 array of ``shape`` from ``allocator`` (or the context's pool), its buffer checked."""
+    alloc = memory_pool(queue) if allocator is None else allocator
+    nbytes = 4 * int(np.prod(shape))
+    buf = alloc(nbytes)
+    if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
+        got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
+        raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
+    if host_observers:
+        note(queue, "buffers")
+        note(queue, "buffer_bytes", nbytes)
+    return cla.Array(queue, tuple(shape), np.float32, allocator=alloc, data=buf)
+
+
+def outputs(queue, allocator, given, inputs, in_place=()):
+    """An op's outputs, in order: ``given`` is ((name, array or None, shape), ...); the arrays given
+    are checked (type, shape, no overlap with ``inputs`` ((name, array or None), ...) or each other,
+    see :func:`check_disjoint`), the others are new (:func:`new_array`)."""
+    check_allocator(allocator)
+    _release_completed()
+    for name, arr, shape in given:
+        if arr is not None:
+            check_array(name, arr, queue, shape=shape)
+    check_disjoint([(name, arr) for name, arr, _ in given], inputs, in_place)
+    return [arr if arr is not None else new_array(queue, shape, allocator) for _, arr, shape in given]
+
+
+def scratch(queue, shape, allocator):
+    """A scratch array (pass it to :func:`hold` with the op's other arrays)."""
+    return new_array(queue, shape, allocator)
+
+
+def hold(evts, *arrays):
+    """Keep ``arrays`` (everything an op's kernels read or write) alive until all of ``evts`` have
+    completed, so that neither a pool nor a caller who drops an array can hand its memory out while
+    a kernel still uses it."""
+    with _pool_lock:
+        _held.append((evts, arrays))
+
+
+def _release_completed():
+    """Drop the holds whose kernels have completed, oldest first, up to the first still pending."""
+    with _pool_lock:
+        # CL_COMPLETE is 0, errors are negative: either way the arrays are no longer used.
+        while _held and all(e.command_execution_status <= 0 for e in _held[0][0]):
+            _held.popleft()
+
+
+def check_disjoint(given, inputs, in_place=()):
+    """ValueError naming both arguments when a given output shares memory with an input or another
+    output (arrays start at offset 0, so sharing a buffer is overlapping). ``given``, ``inputs``:
+    ((name, array or None), ...). ``in_place``: names of inputs an output may be exactly (of the
+    same size: elementwise ops read each element before they write it)."""
+    outs = [(n, a) for n, a in given if a is not None]
+    for i, (name, a) in enumerate(outs):
+        ptr = a.base_data.int_ptr
+        others = [(n, b, True) for n, b in inputs] + [(n, b, False) for n, b in outs[i + 1:]]
+        for other, b, is_input in others:
+            if b is None or b.base_data.int_ptr != ptr or (other in in_place and is_input and a.nbytes == b.nbytes):
+                continue
+            raise ValueError(f"{name}: shares memory with {other}; an output may not overlap "
+                             f"{'an input' if is_input else 'another output'}")
 
 
 def events(wait_for, *arrays):
@@ -62,6 +160,14 @@ def events(wait_for, *arrays):
         if a is not None:
             out.extend(a.events)
     return out
+
+
+def wrote(evts, *arrays):
+    """``arrays``' pending events become ``evts``, the op's kernels that wrote them (each waited on
+    the arrays' earlier events), so the lists stay short; returns the arrays."""
+    for a in arrays:
+        a.events = list(evts)
+    return arrays
 
 
 def positive_int(name, value):

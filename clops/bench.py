@@ -29,7 +29,7 @@ import pyopencl.tools as cl_tools
 
 import clops
 
-from . import runtime, tuning
+from . import runtime, step, tuning
 from .profile import measure
 from .tune import attention_flops
 
@@ -360,13 +360,31 @@ def _print_row(name, rec, out):
             out(f"    torch {label:<36} {peer['ms']:>9.4f} ms")
 
 
+def _step(a, queue, out):
+    queue = queue or runtime.default_queue(profiling=True)
+    torch, why = torch_gpu() if a.peers else (None, None)
+    if a.peers and torch is None:
+        out(f"peers: {why}")
+    rec = step.main(queue, a.small, torch, out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rec, device=list(runtime.device_identity(queue.device))), f, indent=1)
+        out(f"figures written to {a.json}")
+    return 0
+
+
 def main(argv=None, queue=None, out=print):
     p = argparse.ArgumentParser(prog="python -m clops bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="small shapes, so a CPU finishes in a minute or two")
     p.add_argument("--peers", action="store_true", help="add PyTorch's figures (needs PyTorch with a GPU)")
     p.add_argument("--json", metavar="PATH", help="write every figure, keyed by op name")
     p.add_argument("--only", action="append", metavar="TEXT", help="only ops whose name contains TEXT (repeatable)")
+    p.add_argument("--step", action="store_true",
+                   help="the non-matmul half of a pre-norm block, forward + backward (wall vs device time), and "
+                        "the host cost of one op call (clops.step)")
     a = p.parse_args(argv)
+    if a.step:
+        return _step(a, queue, out)
     queue = queue or runtime.default_queue(profiling=True)
     dev = queue.device
     torch, why = torch_gpu() if a.peers else (None, None)

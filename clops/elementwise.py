@@ -1,39 +1,45 @@
 """Elementwise ops: SwiGLU (plain, clamped/scaled/row-weighted, column-gated),
-the sigmoid output gate and add. Template: ``elementwise.cl.mako``."""
+the sigmoid output gate and add. Template: ``elementwise.cl.mako``.
+
+An output may be given as one of the same-shaped inputs (``out=a``: in place); it may
+not overlap another input, a gathered vector (``gate``, ``row_weight``) or another output."""
 from __future__ import annotations
 
 import numpy as np
 import pyopencl as cl
 
-from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_scalar, index_type, output
-from .program import kernels
+from .args import check_array, check_queue, events, finite_float, hold, index_scalar, index_type, outputs, wrote
+from .spec import Spec
 
-TEMPLATE = "elementwise.cl.mako"
-
-
-def heuristic_params(dev):
+def heuristic(dev, sc):
     """Work-group size, vector width and vectors per work item from the device's limits."""
     gpu = bool(dev.type & cl.device_type.GPU)
     return {"wg": int(min(256, dev.max_work_group_size)), "vw": 4, "ept": 4 if gpu else 8}
 
 
-def params_for(dev):
-    return tuning.choose(dev, "elementwise", {}, lambda: heuristic_params(dev))
+# One parameter set serves every elementwise op (shape class {}).
+SPEC = Spec(
+    "elementwise", "elementwise.cl.mako", ("wg", "vw", "ept"),
+    lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "ept": [1, 2, 4, 8, 16]},
+    heuristic, rules=lambda p, sc: ((p["vw"] in (1, 2, 4, 8, 16), "vw must be 1, 2, 4, 8 or 16"),),
+    doc="wg work-items per group, vw vector width, ept vectors per work-item")
+
+
+# Inputs an output may be (in place): those read element by element, not the gathered gate / row_weight.
+IN_PLACE = ("a", "b", "dc")
 
 
 def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
-    p = params_for(queue.device)
-    per_group = p["wg"] * p["ept"] * p["vw"]
-    idx = index_type(n + per_group)
-    knl = kernels(queue, TEMPLATE, dict(p, idx=idx), work_group_size=p["wg"])[name]
+    p = SPEC.params(queue.device, {})
+    idx = index_type(n + p["wg"] * p["ept"] * p["vw"])
+    _, knl = SPEC.kernels(queue, {}, idx=idx)
     itype = index_scalar(idx)
     args = [a.data for a in (*outs, *ins, *gathers)] + [itype(n)]
     args += [itype(s) if isinstance(s, int) else np.float32(s) for s in scalars]
-    evt = knl(queue, (-(-n // per_group),), args, wait_for=events(wait_for, *outs, *ins, *gathers))
-    for a in outs:
-        a.add_event(evt)
-    return outs
+    evt = knl[name](queue, (-(-n // (p["wg"] * p["ept"] * p["vw"])),), args,
+                    wait_for=events(wait_for, *outs, *ins, *gathers))
+    hold([evt], *outs, *ins, *gathers)
+    return wrote([evt], *outs)
 
 
 def _same_shape(queue, first, **named):
@@ -49,7 +55,7 @@ def _binary(queue, kernel, a, b, out, wait_for, allocator):
     """``out = f(a, b)`` for a kernel of two same-shaped inputs."""
     check_queue(queue)
     shape = _same_shape(queue, ("a", a), b=b)
-    out = output("out", out, queue, shape, allocator)
+    (out,) = outputs(queue, allocator, [("out", out, shape)], [("a", a), ("b", b)], IN_PLACE)
     return _launch(queue, kernel, [out], [a, b], a.size, wait_for=wait_for)[0]
 
 
@@ -57,8 +63,9 @@ def _binary_bwd(queue, kernel, a, b, dc, da, db, wait_for, allocator):
     """``(da, db)`` of a two-input op given ``dc``."""
     check_queue(queue)
     shape = _same_shape(queue, ("a", a), b=b, dc=dc)
-    da, db = output("da", da, queue, shape, allocator), output("db", db, queue, shape, allocator)
-    return tuple(_launch(queue, kernel, [da, db], [a, b, dc], a.size, wait_for=wait_for))
+    da, db = outputs(queue, allocator, [("da", da, shape), ("db", db, shape)], [("a", a), ("b", b), ("dc", dc)],
+                     IN_PLACE)
+    return _launch(queue, kernel, [da, db], [a, b, dc], a.size, wait_for=wait_for)
 
 
 def swiglu(queue, a, b, *, out=None, wait_for=None, allocator=None):
@@ -82,7 +89,8 @@ def swiglu_limit(queue, a, b, *, limit, scale=1.0, row_weight=None, out=None, wa
     check_array("b", b, queue, shape=a.shape)
     if row_weight is not None:
         check_array("row_weight", row_weight, queue, shape=(a.shape[0],))
-    out = output("out", out, queue, a.shape, allocator)
+    (out,) = outputs(queue, allocator, [("out", out, a.shape)], [("a", a), ("b", b), ("row_weight", row_weight)],
+                     IN_PLACE)
     if row_weight is None:
         return _launch(queue, "swiglu_limit_fwd", [out], [a, b], a.size, (limit, scale), wait_for=wait_for)[0]
     return _launch(queue, "swiglu_limit_rows_fwd", [out], [a, b], a.size, (limit, scale, a.shape[1]),
@@ -99,7 +107,7 @@ def _gated_checks(queue, a, gate, **same):
 def swiglu_gated(queue, a, b, gate, *, out=None, wait_for=None, allocator=None):
     """``c = silu(a)·b·gate[col]``, ``gate`` of the last dimension's length."""
     shape = _gated_checks(queue, a, gate, b=b)
-    out = output("out", out, queue, shape, allocator)
+    (out,) = outputs(queue, allocator, [("out", out, shape)], [("a", a), ("b", b), ("gate", gate)], IN_PLACE)
     return _launch(queue, "swiglu_gated_fwd", [out], [a, b], a.size, (shape[-1],), gathers=[gate],
                    wait_for=wait_for)[0]
 
@@ -107,7 +115,8 @@ def swiglu_gated(queue, a, b, gate, *, out=None, wait_for=None, allocator=None):
 def swiglu_gated_bwd(queue, a, b, gate, dc, *, da=None, db=None, wait_for=None, allocator=None):
     """``(da, db)`` of ``swiglu_gated`` given ``dc``."""
     shape = _gated_checks(queue, a, gate, b=b, dc=dc)
-    da, db = output("da", da, queue, shape, allocator), output("db", db, queue, shape, allocator)
+    da, db = outputs(queue, allocator, [("da", da, shape), ("db", db, shape)],
+                     [("a", a), ("b", b), ("dc", dc), ("gate", gate)], IN_PLACE)
     return tuple(_launch(queue, "swiglu_gated_bwd", [da, db], [a, b, dc], a.size, (shape[-1],), gathers=[gate],
                          wait_for=wait_for))
 

@@ -3,7 +3,7 @@
 ``y = x·inv·w_eff`` over the last axis of ``x [n, d]``, ``inv = 1/sqrt(mean(x²) + eps)``,
 ``w_eff = w`` or, with ``gemma=True``, ``1 + w``. Outputs must not overlap inputs.
 
-Tuning (``clops.tuning.choose`` / ``clops.tuning.override``), shape class ``{"d": d}``:
+Tuning (``clops.tuning``; the specs ``ROWS`` and ``DW``), shape class ``{"d": d}``:
 
 - op ``"rms_norm"`` (``rms_norm`` and ``rms_norm_bwd``): ``wg`` work-items per group,
   ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of two ≤ ``vw`` that divides
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_scalar, index_type, output
-from .program import kernels
+from .args import check_array, check_queue, events, finite_float, hold, index_scalar, index_type, outputs, scratch, wrote
+from .spec import Spec
 
 TEMPLATE = "rms_norm.cl.mako"
 VECTOR_WIDTHS = (1, 2, 4, 8, 16)
@@ -42,51 +41,45 @@ def _cap(dev):
     return int(min(dev.max_work_group_size, 1024))
 
 
-def heuristic_rows(dev, d):
+def heuristic_rows(dev, sc):
     """About 8 vectors per work-item, up to 256 work-items per row; small rows share a group.
     (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to 256 at d = 4097.)"""
+    d = sc["d"]
     vw = vector_width(4, d)
     tpr = min(pow2_ceil(-(-d // (vw * 8))), _cap(dev), 256)
     wg = max(tpr, min(64, _cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr}
 
 
-def heuristic_dw(dev, d):
-    return {"wg": min(128, _cap(dev)), "vw": vector_width(4, d), "rb": 64}
+def heuristic_dw(dev, sc):
+    return {"wg": min(128, _cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
 
 
-def check_params(op, params, names):
-    """``params`` restricted to ``names``, each a positive int; ValueError naming what is wrong."""
-    missing = [k for k in names if k not in params]
-    if missing:
-        raise ValueError(f"{op} parameters {params}: missing {missing}")
-    p = {k: params[k] for k in names}
-    for k, v in p.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{op} parameters {params}: {k} must be a positive int")
-    if "vw" in p and p["vw"] not in VECTOR_WIDTHS:
-        raise ValueError(f"{op} parameters {params}: vw must be one of {VECTOR_WIDTHS}")
-    return {k: int(v) for k, v in p.items()}
+def _vw_rule(p):
+    return p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"
 
 
-def row_params(dev, d):
-    """Template parameters of the row kernels for width ``d``."""
-    p = check_params("rms_norm", tuning.choose(dev, "rms_norm", {"d": d}, lambda: heuristic_rows(dev, d)),
-                     ("wg", "vw", "rpg"))
-    if p["wg"] % p["rpg"]:
-        raise ValueError(f"rms_norm parameters {p}: rpg must divide wg")
-    p["vw"] = vector_width(p["vw"], d)
-    p["ch"] = -(-d // (p["vw"] * (p["wg"] // p["rpg"])))
+def _render_rows(p, sc):
+    p = dict(p, kind="rows", vw=vector_width(p["vw"], sc["d"]))
+    p["ch"] = -(-sc["d"] // (p["vw"] * (p["wg"] // p["rpg"])))
     p["cache"] = p["ch"] <= MAX_CACHED
     return p
 
 
-def dw_params(dev, d):
-    """Template parameters of the gain-gradient kernels for width ``d``."""
-    p = check_params("rms_norm_dw", tuning.choose(dev, "rms_norm_dw", {"d": d}, lambda: heuristic_dw(dev, d)),
-                     ("wg", "vw", "rb"))
-    p["vw"] = vector_width(p["vw"], d)
-    return p
+ROWS = Spec(
+    "rms_norm", TEMPLATE, ("wg", "vw", "rpg"),
+    lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
+    heuristic_rows, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
+    local_bytes=lambda p, sc: 4 * p["wg"], render=_render_rows,
+    doc="rms_norm and rms_norm_bwd: wg work-items per group, vw vector width, rpg rows per group")
+
+DW = Spec(
+    "rms_norm_dw", TEMPLATE, ("wg", "vw", "rb"),
+    lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
+    heuristic_dw, rules=lambda p, sc: (_vw_rule(p),),
+    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"])),
+    doc="rms_norm_dw and the column sum of qk_norm_rope_bwd: wg columns per group, vw vector width, "
+        "rb rows per partial block")
 
 
 def gain_offset(gemma):
@@ -107,11 +100,12 @@ def _check_x(queue, x):
 
 
 def _row_kernel(queue, name, n, d):
-    p = row_params(queue.device, d)
+    sc = {"d": d}
+    p = ROWS.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
-    knl = kernels(queue, TEMPLATE, dict(p, kind="rows", idx=idx), work_group_size=p["wg"])[name]
+    _, knl = ROWS.kernels(queue, sc, idx=idx)
     sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
-    return knl, (-(-n // p["rpg"]),), sizes
+    return knl[name], (-(-n // p["rpg"]),), sizes
 
 
 def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for=None, allocator=None):
@@ -120,14 +114,12 @@ def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for
     eps = check_eps(eps)
     n, d = _check_x(queue, x)
     check_array("w", w, queue, shape=(d,))
-    y = output("out", out, queue, (n, d), allocator)
-    inv = output("inv", inv, queue, (n,), allocator)
+    y, inv = outputs(queue, allocator, [("out", out, (n, d)), ("inv", inv, (n,))], [("x", x), ("w", w)])
     knl, groups, sizes = _row_kernel(queue, "rms_norm_fwd", n, d)
     evt = knl(queue, groups, [y.data, inv.data, x.data, w.data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, y, inv, x, w))
-    y.add_event(evt)
-    inv.add_event(evt)
-    return y, inv
+    hold([evt], y, inv, x, w)
+    return wrote([evt], y, inv)
 
 
 def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_for=None, allocator=None):
@@ -142,24 +134,20 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
     check_array("w", w, queue, shape=(d,))
     check_array("inv", inv, queue, shape=(n,))
     check_array("dy", dy, queue, shape=(n, d))
-    dx = output("dx", dx, queue, (n, d), allocator)
+    (dx,) = outputs(queue, allocator, [("dx", dx, (n, d))], [("x", x), ("w", w), ("inv", inv), ("dy", dy)])
     knl, groups, sizes = _row_kernel(queue, "rms_norm_bwd", n, d)
     evt = knl(queue, groups, [dx.data, x.data, w.data, inv.data, dy.data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, dx, x, w, inv, dy))
-    dx.add_event(evt)
-    return dx
-
-
-def _dw_kernels(queue, rows, d):
-    p = dw_params(queue.device, d)
-    idx = index_type((rows + p["rb"]) * d + p["wg"] * p["vw"])
-    return p, idx, kernels(queue, TEMPLATE, dict(p, kind="dw", idx=idx), work_group_size=p["wg"])
+    hold([evt], dx, x, w, inv, dy)
+    return wrote([evt], dx)[0]
 
 
 def column_sum(queue, partial, dw, accumulate, wait_for=None):
     """Enqueue ``dw (+)= Σ_rows partial [rows, cols]`` in row order; returns the event."""
     rows, cols = partial.shape
-    p, _, knl = _dw_kernels(queue, rows, cols)
+    sc = {"d": cols}
+    p = DW.params(queue.device, sc)
+    _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]))
     return knl["column_sum"](queue, (-(-cols // p["wg"]),),
                              [dw.data, partial.data, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
                              wait_for=events(wait_for, partial, dw))
@@ -172,14 +160,17 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     check_array("inv", inv, queue, shape=(n,))
     check_array("dy", dy, queue, shape=(n, d))
     accumulate = dw is not None
-    dw = output("dw", dw, queue, (d,), allocator)
-    p, idx, knl = _dw_kernels(queue, n, d)
+    (dw,) = outputs(queue, allocator, [("dw", dw, (d,))], [("x", x), ("inv", inv), ("dy", dy)])
+    sc = {"d": d}
+    p = DW.params(queue.device, sc)
+    idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
+    _, knl = DW.kernels(queue, sc, idx=idx)
     blocks = -(-n // p["rb"])
-    partial = output("partial", None, queue, (blocks, d), allocator)  # scratch: per-block column sums
+    partial = scratch(queue, (blocks, d), allocator)  # per-block column sums
     dv = d // p["vw"]
     evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),
                                      [partial.data, x.data, inv.data, dy.data, index_scalar(idx)(n), np.uint32(dv)],
                                      wait_for=events(wait_for, x, inv, dy))
-    dw.add_event(evt)  # both stages' events: the profile of dw covers its two kernels
-    dw.add_event(column_sum(queue, partial, dw, accumulate, wait_for=[evt]))
-    return dw
+    done = column_sum(queue, partial, dw, accumulate, wait_for=[evt])
+    hold([done], partial, dw, x, inv, dy)
+    return wrote([evt, done], dw)[0]  # both stages' events: the profile of dw covers its two kernels

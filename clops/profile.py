@@ -5,15 +5,10 @@ Recorded while the block runs, for that queue only:
 - every kernel clops enqueues (through :class:`clops.program.Kernel`): its name,
   template, template parameters, global and local size, and its device time
   from the profiling events (read when asked, so recording never waits);
-- host-side counts of what clops itself does, reported through
-  :func:`clops.args.note`: ``buffers`` (and ``buffer_bytes``) that ops
-  allocate through :func:`clops.args.output` (every output array they create,
-  and scratch made there; scratch made with ``cla.empty`` directly is not
-  seen), ``writes`` (and ``write_bytes``) host→device, ``waits`` (and
-  ``wait_s``, time waited). Today's ops never write from the host or wait, so
-  those two stay 0 unless an op starts doing so and reports it. Work the
-  caller does itself (``to_device``, ``.get()``, ``finish``) is not clops's
-  and is not counted.
+- the arrays clops allocates (:func:`clops.args.new_array`: every output an op
+  creates and every scratch array): ``buffers`` and ``buffer_bytes``. Ops never
+  write from the host or wait on it; work the caller does itself
+  (``to_device``, ``.get()``, ``finish``) is not clops's and is not counted.
 
 Off (no block active), a launch pays one empty-dict check and allocation one more.
 """
@@ -56,8 +51,7 @@ class Profile:
             )
         self.queue = queue
         self.launches = []
-        self.counts = collections.Counter({k: 0 for k in ("buffers", "buffer_bytes", "writes", "write_bytes",
-                                                           "waits", "wait_s")})
+        self.counts = collections.Counter({"buffers": 0, "buffer_bytes": 0})
 
     def __enter__(self):
         program.observers[id(self)] = self._on_launch
@@ -114,9 +108,7 @@ class Profile:
         for name, calls, total, mean, share in self.summary():
             lines.append(f"{name:<28} {calls:>6} {total:>10.3f} {mean:>10.4f} {share:>6.1%}")
         c = self.counts
-        lines.append(f"buffers created {c['buffers']} ({c['buffer_bytes'] / 2**20:.1f} MiB), "
-                     f"host->device writes {c['writes']} ({c['write_bytes'] / 2**20:.1f} MiB), "
-                     f"waits {c['waits']} ({c['wait_s'] * 1e3:.1f} ms)")
+        lines.append(f"buffers created {c['buffers']} ({c['buffer_bytes'] / 2**20:.1f} MiB)")
         return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ import pyopencl as cl
 from mako.lookup import TemplateLookup
 
 from . import __version__
-from .runtime import capability_macros, device_identity
+from .runtime import device_identity
 
 log = logging.getLogger("clops")
 
@@ -139,6 +139,9 @@ def checked_enabled():
 def kernels(queue, template, params, *, work_group_size=None):
     """{name: Kernel} of ``template`` rendered with ``params`` for ``queue``'s device.
 
+    Each call renders and hashes the source: ops reach this through the memo of
+    :meth:`clops.spec.Spec.kernels`, which calls it once per configuration.
+
     ``work_group_size`` (the work-items per group the parameters imply) is
     checked against the device before anything is built.
     """
@@ -150,18 +153,18 @@ def kernels(queue, template, params, *, work_group_size=None):
         )
     params = dict(params, checked=checked_enabled())
     source, sites = _render(template, params)
-    source = capability_macros(dev) + source
     # Checked builds read their kernels' argument names to find the guarded buffers.
     options = BUILD_OPTIONS + (("-cl-kernel-arg-info",) if params["checked"] else ())
     ident = "\0".join((source, " ".join(options), *device_identity(dev), __version__))
     key = hashlib.sha256(ident.encode()).hexdigest()
     with _lock:
+        # The device is part of the key: two identical devices of one context each get their own build.
         per_ctx = _programs.setdefault(queue.context, {})
-        found = per_ctx.get(key)
+        found = per_ctx.get((dev, key))
         if found is not None:
             stats["hits"] += 1
             return found
-        found = per_ctx[key] = _build(queue.context, dev, template, params, source, key, options, sites)
+        found = per_ctx[dev, key] = _build(queue.context, dev, template, params, source, key, options, sites)
         return found
 
 

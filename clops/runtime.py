@@ -161,16 +161,3 @@ def default_reason():
 def device_identity(dev):
     """(platform, device, driver version): the identity cache keys and tuning files use."""
     return (dev.platform.name.strip(), dev.name.strip(), dev.driver_version.strip())
-
-
-def capability_macros(dev):
-    """``#define`` lines the host emits so kernels never sniff the vendor."""
-    ext = dev.extensions.split()
-    caps = {
-        "CLOPS_HAS_FP64": int("cl_khr_fp64" in ext),
-        "CLOPS_HAS_FP16": int("cl_khr_fp16" in ext),
-        "CLOPS_LOCAL_MEM_BYTES": dev.local_mem_size,
-        "CLOPS_MAX_WORK_GROUP": dev.max_work_group_size,
-        "CLOPS_IS_CPU": int(bool(dev.type & cl.device_type.CPU)),
-    }
-    return "".join(f"#define {k} {v}\n" for k, v in caps.items())

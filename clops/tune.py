@@ -48,11 +48,11 @@ import pyopencl.tools as cl_tools
 
 import clops
 
+from . import attn, elementwise, norm, qk_rope, runtime, tuning
 from . import reference as ref
-from . import qk_norm_rope, runtime, tuning
 from .profile import Profile, measure
-from .attention import bwd_check, bwd_tile_wg, fwd_check, fwd_wg
-from .program import KERNEL_DIR, LimitError
+from .program import KERNEL_DIR
+from .spec import Spec
 
 MIN_RUNS = 7
 # DESIGN.md's tolerances (relative L2 against float64): forward, attention forward (lse: FWD), backward.
@@ -76,16 +76,31 @@ class Case:
 
 @dataclasses.dataclass
 class Family:
-    op: str  # name in the tuning database
-    templates: tuple  # template files whose text (and includes) the results depend on
+    """A sweep of one kernel family: its spec (parameters, candidates, rules; the op's own) and the
+    problem a sweep times."""
+
+    spec: Spec
     shape_class: dict  # default shape class; --class overrides
-    space: object  # space(shape_class) -> {name: [candidates]} in sweep order
-    restrictions: tuple  # ((text, pred(params, dev, shape_class)), ...): configurations to leave out
     problem: object  # problem(shape_class, small) -> {size name: int}
     prepare: object  # prepare(queue, shape_class, problem) -> Case
     doc: str
-    derive: object = None  # derive(params, shape_class) -> params plus those fixed by the others' values
     kernels: tuple = ()  # kernels timed (empty: all the op enqueues)
+
+    @property
+    def op(self):
+        return self.spec.op
+
+    @property
+    def templates(self):  # the template files whose text (and includes) the results depend on
+        return (self.spec.template,)
+
+    def space(self, sc):
+        return self.spec.space(sc)
+
+    def reject(self, p, dev, sc):
+        """The rule of the spec that ``p`` breaks (its text), or None."""
+        broken = self.spec.violation(dev, sc, p)
+        return broken and broken[0]
 
 
 def _pool(queue):
@@ -195,14 +210,6 @@ def _attention_bwd_case(queue, sc, pb, products, store_ds):
                 products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
-def _wg_fits(wg):
-    return ("work-items per group ≤ CL_DEVICE_MAX_WORK_GROUP_SIZE", lambda p, dev, sc: wg(p) <= dev.max_work_group_size)
-
-
-def _divides(a, b):
-    return (f"{a} divides {b}", lambda p, dev, sc: p[b] % p[a] == 0)
-
-
 def _qk_norm_rope(queue, sc, pb):
     hd, n, heads, window = sc["hd"], pb["rows"], pb["heads"], pb["window"]
     x, w, dy = ref.rnd((n, heads, hd), 1, 2.0), ref.rnd(hd, 2, 0.5), ref.rnd((n, heads, hd), 3, 1.0)
@@ -223,68 +230,13 @@ def _qk_norm_rope(queue, sc, pb):
     return Case(call, reference, (FWD, FWD, BWD, BWD), "GB/s", work)
 
 
-def _bwd_derive(kind):
-    """wg from the accumulator tiles (attention.bwd_tile_wg), then sk so that
-    split·(bq/sq)·(bk/sk) = wg (0: impossible)."""
-
-    def derive(p, sc):
-        wg = bwd_tile_wg(kind, sc["hd"], p)
-        per = p["split"] * p["bq"] * p["bk"]
-        sk = per // (p["sq"] * wg) if per % (p["sq"] * wg) == 0 else 0
-        return dict(p, wg=wg, sk=sk)
-
-    return derive
-
-
-def _accepted_by(check):
-    """A restriction predicate from an op's own parameter check (it raises LimitError on what it refuses)."""
-
-    def accepts(p, dev, sc):
-        try:
-            check(dev, sc["hd"], p)
-        except LimitError:
-            return False
-        return True
-
-    return accepts
-
-
 def _bwd_family(kind):
-    rows, chunked = ("bk", "bq") if kind == "dkv" else ("bq", "bk")
-    restrictions = (
-        ("sk: split·(bq/sq)·(bk/sk) = wg has a solution", lambda p, dev, sc: p["sk"] > 0),
-        _divides("sq", "bq"), _divides("sk", "bk"), _divides("tr", rows), _divides("jc", chunked),
-        _divides("vw", "dc"), _divides("vw", "td"),
-        ("dc and td divide hd", lambda p, dev, sc: sc["hd"] % p["dc"] == 0 and sc["hd"] % p["td"] == 0),
-        _wg_fits(lambda p: p["wg"]),
-        ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE",
-         _accepted_by(lambda dev, hd, p: bwd_check(dev, kind, hd, p))),
-    )
-    names = ("attn_bwd_dsum", "attn_bwd_dkv") if kind == "dkv" else ("attn_bwd_dq",)
-    return Family(
-        f"attention_bwd_{kind}", ("attention_bwd.cl.mako",), {"hd": 128},
-        lambda sc: {"bq": [16, 32, 64], "bk": [16, 32, 64], "tr": [1, 2, 4, 8], "td": [8, 16, 32, 64],
-                    "vw": [2, 4], "dc": [8, 16, 32], "jc": [4, 8, 16], "sq": [1, 2, 4], "split": [1, 2]},
-        restrictions, _attention_problem, _attention_bwd(4, None) if kind == "dkv" else _attention_bwd(3, False),
-        f"attention_bwd on [windows·window, nh|nkv, hd], timing {' + '.join(names)}"
-        + (" (dS stored where attention_bwd stores it)" if kind == "dkv" else " (dQ recomputing dS)"),
-        derive=_bwd_derive(kind), kernels=names)
-
-
-def _dqs_family():
-    restrictions = (
-        _divides("tr", "bq"), _divides("vw", "td"),
-        ("td divides hd", lambda p, dev, sc: sc["hd"] % p["td"] == 0),
-        _wg_fits(lambda p: p["wg"]),
-        ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _accepted_by(lambda dev, hd, p: bwd_check(dev, "dqs", hd, p))),
-    )
-    return Family(
-        "attention_bwd_dqs", ("attention_bwd.cl.mako",), {"hd": 128},
-        lambda sc: {"bq": [16, 32, 64, 128], "tr": [1, 2, 4, 8, 16], "td": [8, 16, 32, 64], "vw": [2, 4],
-                    "jc": [8, 16, 32, 64]},
-        restrictions, _attention_problem, _attention_bwd(1, True),
-        "attention_bwd on [windows·window, nh|nkv, hd] with dS stored, timing attn_bwd_dqs",
-        derive=lambda p, sc: dict(p, wg=bwd_tile_wg("dqs", sc["hd"], p)), kernels=("attn_bwd_dqs",))
+    names = {"dkv": ("attn_bwd_dsum", "attn_bwd_dkv"), "dq": ("attn_bwd_dq",), "dqs": ("attn_bwd_dqs",)}[kind]
+    how = {"dkv": " (dS stored where attention_bwd stores it)", "dq": " (dQ recomputing dS)", "dqs": " with dS stored"}
+    prepare = {"dkv": _attention_bwd(4, None), "dq": _attention_bwd(3, False), "dqs": _attention_bwd(1, True)}[kind]
+    return Family(attn.BWD[kind], {"hd": 128}, _attention_problem, prepare,
+                  f"attention_bwd on [windows·window, nh|nkv, hd]{how[kind]}, timing {' + '.join(names)}",
+                  kernels=names)
 
 
 def _attention_problem(sc, small):
@@ -299,40 +251,20 @@ def _attention_problem(sc, small):
 _TOKENS = 16384  # DESIGN.md's memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
 FAMILIES = {
     "elementwise": Family(
-        "elementwise", ("elementwise.cl.mako",), {},
-        lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "ept": [1, 2, 4, 8, 16]},
-        (_wg_fits(lambda p: p["wg"]),),
+        elementwise.SPEC, {},
         lambda sc, small: {"rows": 64, "width": 960} if small else {"rows": _TOKENS, "width": 3 * 5120},
         _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
-    "rms_norm": Family(
-        "rms_norm", ("rms_norm.cl.mako",), {"d": 5120},
-        lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
-        (_wg_fits(lambda p: p["wg"]), _divides("rpg", "wg")),
-        lambda sc, small: {"rows": 256 if small else _TOKENS},
-        _rms_norm, "rms_norm + rms_norm_bwd on [rows, d]"),
-    "rms_norm_dw": Family(
-        "rms_norm_dw", ("rms_norm.cl.mako",), {"d": 5120},
-        lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
-        (_wg_fits(lambda p: p["wg"]),),
-        lambda sc, small: {"rows": 256 if small else _TOKENS},
-        _rms_norm_dw, "rms_norm_dw on [rows, d]"),
-    "attention_fwd": Family(
-        "attention_fwd", ("attention_fwd.cl.mako",), {"hd": 128},
-        lambda sc: {"bq": [16, 32, 64, 128], "rq": [1, 2, 4, 8], "tx": [4, 8, 16, 32], "bk": [16, 32, 64, 128],
-                    "vw": [1, 2, 4], "dc": [16, 32, 64], "kc": [8, 16, 32]},
-        (_divides("rq", "bq"), _divides("tx", "bk"), _divides("kc", "bk"), _divides("vw", "dc"),
-         _wg_fits(fwd_wg),
-         ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE", _accepted_by(fwd_check))),
-        _attention_problem, _attention_fwd, "attention forward on [windows·window, nh|nkv, hd]"),
+    "rms_norm": Family(norm.ROWS, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                       _rms_norm, "rms_norm + rms_norm_bwd on [rows, d]"),
+    "rms_norm_dw": Family(norm.DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                          _rms_norm_dw, "rms_norm_dw on [rows, d]"),
+    "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
+                            "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
-    "attention_bwd_dqs": _dqs_family(),
+    "attention_bwd_dqs": _bwd_family("dqs"),
     "qk_norm_rope": Family(
-        "qk_norm_rope", ("qk_norm_rope.cl.mako",), {"hd": 128},
-        lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "upg": [1, 2, 4, 8], "rb": [8, 16, 32, 64]},
-        (_wg_fits(lambda p: p["wg"]), _divides("upg", "wg"), _divides("upg", "rb"),
-         ("local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE",
-          lambda p, dev, sc: qk_norm_rope.local_bytes(sc["hd"], p) <= dev.local_mem_size)),
+        qk_rope.SPEC, {"hd": 128},
         lambda sc, small: {"rows": 128 if small else _TOKENS, "heads": 4 if small else 16, "window": 64 if small
                            else 4096},
         _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd], rotary half hd/4"),
@@ -355,16 +287,16 @@ def template_hash(templates):
     return h.hexdigest()
 
 
-def configurations(space, restrictions, dev, sc, derive=None):
+def configurations(space, reject, dev, sc, derive=None):
     """(kept, left_out): the product of the lists in order (with derived parameters added), and
-    {restriction text: count} of those left out."""
+    {rule: count} of those left out; ``reject(p, dev, sc)`` is the rule ``p`` breaks or None."""
     names = list(space)
     kept, left_out = [], {}
     for values in itertools.product(*(space[k] for k in names)):
         p = dict(zip(names, values))
         if derive is not None:
             p = derive(p, sc)
-        failed = next((text for text, pred in restrictions if not pred(p, dev, sc)), None)
+        failed = reject(p, dev, sc) if reject is not None else None
         if failed is None:
             kept.append(p)
         else:
@@ -473,7 +405,7 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
     dev = queue.device
     head = header(fam, dev, sc, problem, space, check_problem)
     results = [] if fresh or not Path(path).exists() else load_results(path, head)
-    configs, left_out = configurations(space, fam.restrictions if restrict else (), dev, sc, fam.derive)
+    configs, left_out = configurations(space, fam.reject if restrict else None, dev, sc, fam.spec.sweep_derive)
     for text, count in left_out.items():
         out(f"left out by restriction '{text}': {count}")
     if sample is not None and sample < len(configs):
@@ -581,8 +513,8 @@ def _list_families(out=print):
         out(f"{name}: {fam.doc}; shape class {fam.shape_class or '{}'}")
         for k, v in fam.space(fam.shape_class).items():
             out(f"    {k}: {v}")
-        for text, _ in fam.restrictions:
-            out(f"    restriction: {text}")
+        if fam.spec.doc:
+            out(f"    ({fam.spec.doc})")
 
 
 def main(argv=None, queue=None):

@@ -6,6 +6,9 @@ Search order for ``(op, shape class)`` on a device:
   3. the shipped file for the device, then for its vendor, then ``default.json``,
   4. the op's heuristic from the device's limits (the caller's fallback).
 
+Each file is read once per process; :func:`reload` forgets what was read (after editing a
+file by hand). Ops memoise their choice until the database changes (:func:`generation`).
+
 Files are JSON: ``{"device": {...identity...}, "entries": {op: {shape_key: params}}}``.
 A device's file is named by its normalised name (``nvidia-h200.json``); a
 vendor file by the normalised vendor (``nvidia.json``).
@@ -22,7 +25,22 @@ from .runtime import device_identity
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuning_db"
 _overrides = {}
+_files = {}  # path -> its entries, read once
+_generation = [0]  # bumped by every change ops must see: overrides, saves, reload()
 _lock = threading.Lock()
+
+
+def generation():
+    """A count that changes whenever a choice from the database may change (memo keys carry it)."""
+    return _generation[0]
+
+
+def reload():
+    """Forget the tuning files read so far (and where ``CLOPS_TUNING_DIR`` pointed); the next op
+    call reads them again."""
+    with _lock:
+        _files.clear()
+        _generation[0] += 1
 
 
 def normalise(name):
@@ -58,13 +76,17 @@ def user_file(dev):
 
 
 def _load(path):
-    try:
-        with open(path) as f:
-            return json.load(f).get("entries", {})
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tuning file {path} is unreadable: {e}") from None
+    found = _files.get(path)
+    if found is None:
+        try:
+            with open(path) as f:
+                found = json.load(f).get("entries", {})
+        except FileNotFoundError:
+            found = {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"tuning file {path} is unreadable: {e}") from None
+        _files[path] = found
+    return found
 
 
 def _sources(dev):
@@ -105,6 +127,7 @@ def override(op, shape_class, params, device=None):
             _overrides.pop(key, None)
         else:
             _overrides[key] = dict(params)
+        _generation[0] += 1
 
 
 def save(dev, op, shape_class, params, path=None):
@@ -122,4 +145,5 @@ def save(dev, op, shape_class, params, path=None):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
+    reload()
     return path

@@ -10,6 +10,15 @@ from pyopencl.tools import pytest_generate_tests_for_pyopencl as pytest_generate
 _contexts = {}  # device -> the context its tests share
 
 
+@pytest.fixture(autouse=True)
+def _tuning_reread():
+    """Ops memoise their tuning choice (clops.tuning.reload() forgets it): after each test, whose
+    monkeypatching of the database (overrides, CLOPS_TUNING_DIR, files) has been undone by then
+    (autouse fixtures are torn down last), the next one starts from the real database."""
+    yield
+    clops.tuning.reload()
+
+
 @pytest.fixture
 def queue(ctx_factory):
     """A profiling-enabled queue on the device under test, on one context per device for the whole

@@ -7,7 +7,7 @@ import pytest
 import clops
 from clops import reference as ref
 from clops import tuning
-from clops.attention import fwd_check, fwd_heuristic, fwd_params
+from clops.attn import FWD
 
 O_TOL, LSE_TOL = 1e-5, 1e-6
 
@@ -72,7 +72,7 @@ VARIANTS = [
 def test_tile_variants(queue, params):
     tuning.override("attention_fwd", {"hd": 40}, params)
     try:
-        assert fwd_params(queue.device, 40) == params
+        assert FWD.resolve(queue.device, {"hd": 40}) == (params, "override")
         _check(queue, 2, 37, 4, 2, 40)
     finally:
         tuning.override("attention_fwd", {"hd": 40}, None)
@@ -101,7 +101,7 @@ def test_local_memory_limit(queue):
     tuning.override("attention_fwd", {"hd": 256}, big)
     try:
         with pytest.raises(clops.LimitError, match="local memory"):
-            fwd_params(queue.device, 256)
+            FWD.params(queue.device, {"hd": 256})
     finally:
         tuning.override("attention_fwd", {"hd": 256}, None)
 
@@ -112,7 +112,7 @@ def test_gpu_heuristic_fits_every_head_dim(local_mem, max_wg):
         type, local_mem_size, max_work_group_size = cl.device_type.GPU, local_mem, max_wg
 
     for hd in range(8, 257, 8):
-        assert fwd_check(Gpu, hd, fwd_heuristic(Gpu, hd))
+        assert FWD.check(Gpu, {"hd": hd}, FWD.heuristic(Gpu, {"hd": hd}))
 
 
 def test_writes_into_given_outputs(queue):

@@ -13,7 +13,7 @@ import pytest
 import clops
 from clops import reference as ref
 from clops import tuning
-from clops.attention import bwd_params, store_ds_default
+from clops.attn import BWD, store_ds_default
 
 TOL = 1e-5
 
@@ -147,7 +147,7 @@ def test_tile_variants(queue, kind, params):
     op = "attention_bwd_" + kind
     tuning.override(op, {"hd": 40}, params)
     try:
-        assert bwd_params(queue.device, kind, 40) == params
+        assert BWD[kind].resolve(queue.device, {"hd": 40}) == (params, "override")
         # dkv runs in both ways (it stores dS in one); dq and dqs in theirs
         for store in {"dkv": (True, False), "dq": (False,), "dqs": (True,)}[kind]:
             _check(queue, store, 2, 37, 4, 2, 40)
@@ -199,7 +199,7 @@ def test_impossible_params_raise(queue, change, word):
     tuning.override("attention_bwd_dkv", {"hd": 16}, dict(GOOD, **change))
     try:
         with pytest.raises(clops.LimitError, match=word.replace("(", r"\(").replace(")", r"\)")):
-            bwd_params(queue.device, "dkv", 16)
+            BWD["dkv"].params(queue.device, {"hd": 16})
     finally:
         tuning.override("attention_bwd_dkv", {"hd": 16}, None)
 
@@ -207,7 +207,7 @@ def test_impossible_params_raise(queue, change, word):
 def test_good_params_accepted(queue):
     tuning.override("attention_bwd_dkv", {"hd": 16}, GOOD)
     try:
-        assert bwd_params(queue.device, "dkv", 16) == GOOD
+        assert BWD["dkv"].resolve(queue.device, {"hd": 16}) == (GOOD, "override")
     finally:
         tuning.override("attention_bwd_dkv", {"hd": 16}, None)
 

@@ -75,7 +75,7 @@ def _rms_norm_rows(queue, small=3, big=40, d=64):
 
 def _qk_units(queue, small=4, big=50, hd=32, heads=2):
     """qk_norm_rope_fwd told of 50 units, given buffers of 4."""
-    from clops.qk_norm_rope import _kernel
+    from clops.qk_rope import _kernel
 
     p, knl, units = _kernel(queue, "qk_norm_rope_fwd", big, hd, 0)
     bufs = [_zeros(queue, small, hd), _zeros(queue, small), _zeros(queue, small, hd), _zeros(queue, hd)]
@@ -85,10 +85,10 @@ def _qk_units(queue, small=4, big=50, hd=32, heads=2):
 
 def _attention_window(queue, small=8, big=40, nh=2, hd=8):
     """attention_fwd told of a window of 40 tokens, given 8."""
-    from clops.attention import FWD_TEMPLATE, fwd_wg, fwd_params
+    from clops.attn import FWD
 
-    p = fwd_params(queue.device, hd)
-    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx="uint"), work_group_size=fwd_wg(p))["attention_fwd"]
+    p, knl = FWD.kernels(queue, {"hd": hd}, idx="uint")
+    knl = knl["attention_fwd"]
     q, kv, o, lse = _zeros(queue, small, nh, hd), _zeros(queue, small, 1, hd), _zeros(queue, small, nh, hd), _zeros(
         queue, small, nh)
     args = [q.data, kv.data, kv.data, o.data, lse.data, np.uint32(big), np.uint32(nh), np.uint32(nh), np.float32(1)]
@@ -97,14 +97,11 @@ def _attention_window(queue, small=8, big=40, nh=2, hd=8):
 
 def _attention_dsum_rows(queue, small=8, big=40, hd=8):
     """attn_bwd_dsum told of 40 (row, head) pairs, given 8."""
-    from clops.attention import BWD_TEMPLATE, bwd_params, dkv_render_params
+    from clops.attn import BWD
 
-    p = bwd_params(queue.device, "dkv", hd)
-    params = dkv_render_params(hd, p, "uint", False)
-    knl = kernels(queue, BWD_TEMPLATE, params, work_group_size=p["wg"])
+    p, knl = BWD["dkv"].kernels(queue, {"hd": hd}, idx="uint", store_ds=0)
     o, dsum = _zeros(queue, small, hd), _zeros(queue, small)
-    return knl["attn_bwd_dsum"], (-(-big // (p["wg"] // params["lanes"])),), [o.data, o.data, dsum.data,
-                                                                             np.uint32(big)]
+    return knl["attn_bwd_dsum"], (-(-big // (p["wg"] // p["lanes"])),), [o.data, o.data, dsum.data, np.uint32(big)]
 
 
 PLANTED = {"rms_norm_fwd": _rms_norm_rows, "qk_norm_rope_fwd": _qk_units, "attention_fwd": _attention_window,

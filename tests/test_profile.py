@@ -24,7 +24,6 @@ def test_records_kernels_and_counts(queue):
     assert r.global_size[0] * r.params["ept"] * r.params["vw"] >= n
     assert all(x.ms > 0 for x in prof.launches)
     assert prof.counts["buffers"] == 3 and prof.counts["buffer_bytes"] == 3 * 4 * n
-    assert prof.counts["writes"] == prof.counts["waits"] == 0
     rows = prof.summary()
     assert sorted(row[0] for row in rows) == ["add", "swiglu_bwd", "swiglu_fwd"]
     assert all(row[1] == 1 for row in rows) and abs(sum(row[4] for row in rows) - 1) < 1e-9

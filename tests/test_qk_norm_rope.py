@@ -1,7 +1,6 @@
 """Per-head q/k RMSNorm + partial RoPE parity (y, inv, dx, dw; both gain styles) at the seed's shape, head dims
 4…512, half from 0 to hd/2, both x layouts, a window shorter than the table; launch-parameter variants;
 deterministic dw; bad input rejected before anything runs."""
-import importlib
 
 import numpy as np
 import pyopencl as cl
@@ -13,7 +12,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
 
-qkr = importlib.import_module("clops.qk_norm_rope")  # the module; clops.qk_norm_rope is the op
+from clops import qk_rope as qkr  # noqa: E402
 from clops.reference import rel_err, rnd
 from helpers import to_device
 

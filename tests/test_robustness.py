@@ -8,7 +8,7 @@ import pytest
 import clops
 from clops import reference as ref
 from clops import tuning
-from clops.attention import bwd_heuristic
+from clops.attn import bwd_heuristic
 from clops.reference import rel_err, rnd
 from helpers import to_device
 

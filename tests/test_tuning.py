@@ -19,12 +19,14 @@ def tuning_dirs(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
     (tmp_path / "shipped").mkdir()
     monkeypatch.setattr(tuning, "_overrides", {})
+    tuning.reload()
     return tmp_path
 
 
 def _write(path, entries):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"entries": entries}))
+    tuning.reload()  # files are read once per process
 
 
 def test_search_order(tuning_dirs):
@@ -45,6 +47,7 @@ def test_search_order(tuning_dirs):
     for source, path in reversed(layers):  # removing a layer uncovers the next one down
         assert tuning.choose(dev, "op", sc, heuristic) == {"from": source}
         path.unlink()
+        tuning.reload()
     assert tuning.choose(dev, "op", sc, heuristic) == {"from": "heuristic"}
 
 
@@ -68,16 +71,16 @@ def test_chosen_parameters_are_in_the_cache_key(queue, tuning_dirs):
     assert used()[1] == builds2  # the first parameters' program is found again, not rebuilt
 
 
-def test_configurations_and_restrictions():
+def test_configurations_and_rules():
     dev = types.SimpleNamespace(max_work_group_size=256, local_mem_size=1 << 15)
     fam = tune.FAMILIES["attention_fwd"]
     space = {"bq": [16, 64], "rq": [3, 4], "tx": [8], "bk": [32], "vw": [4], "dc": [32], "kc": [16]}
-    kept, left_out = tune.configurations(space, fam.restrictions, dev, {"hd": 64})
-    assert [(p["bq"], p["rq"]) for p in kept] == [(16, 4), (64, 4)] and left_out == {"rq divides bq": 2}
-    kept, left_out = tune.configurations(dict(space, tx=[32], rq=[1]), fam.restrictions, dev, {"hd": 64})
+    kept, left_out = tune.configurations(space, fam.reject, dev, {"hd": 64})
+    assert [(p["bq"], p["rq"]) for p in kept] == [(16, 4), (64, 4)] and left_out == {"bq must be a multiple of rq": 2}
+    kept, left_out = tune.configurations(dict(space, tx=[32], rq=[1]), fam.reject, dev, {"hd": 64})
     assert kept == [] and left_out == {"work-items per group ≤ CL_DEVICE_MAX_WORK_GROUP_SIZE": 2}
     small = types.SimpleNamespace(max_work_group_size=256, local_mem_size=1 << 12)
-    kept, left_out = tune.configurations(dict(space, rq=[4]), fam.restrictions, small, {"hd": 64})
+    kept, left_out = tune.configurations(dict(space, rq=[4]), fam.reject, small, {"hd": 64})
     assert kept == [] and left_out == {"local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE": 2}
 
 

@@ -11,7 +11,7 @@ length and may be given shorter (a table too short for ``window`` is an error). 
 (``half = 0``): pass ``rope=None`` or the empty ``[table, 0, 2]`` array (pyopencl holds
 such arrays without a buffer); ``window`` is then ignored. Outputs must not overlap inputs.
 
-Tuning (``clops.tuning``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
+Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
 two ≤ ``vw`` dividing ``hd`` is used), ``upg`` units (row, head) handled at a time by a
 group (divides ``wg``), ``rb`` units per backward group, i.e. per partial row of the dw
@@ -23,17 +23,18 @@ from __future__ import annotations
 import numpy as np
 import pyopencl.array as cla
 
-from . import tuning
-from .args import check_array, check_queue, events, index_scalar, index_type, output, positive_int
-from .norm import check_eps, check_params, column_sum, gain_offset, pow2_ceil, vector_width
-from .program import LimitError, kernels
+from .args import (check_array, check_queue, events, hold, index_scalar, index_type, outputs, positive_int, scratch,
+                   wrote)
+from .norm import VECTOR_WIDTHS, check_eps, column_sum, gain_offset, pow2_ceil, vector_width
+from .spec import Spec
 
 TEMPLATE = "qk_norm_rope.cl.mako"
 MAX_HD = 512
 
 
-def heuristic(dev, hd):
+def heuristic(dev, sc):
     """One vector of 4 per work-item up to 128 work-items per unit; groups of at least 128."""
+    hd = sc["hd"]
     cap = int(min(dev.max_work_group_size, 1024))
     vw = vector_width(4, hd)
     tpu = min(pow2_ceil(hd // vw), 128, cap)
@@ -41,24 +42,27 @@ def heuristic(dev, hd):
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "rb": 32 * (wg // tpu)}
 
 
-def local_bytes(hd, p):
+def local_bytes(p, sc):
     """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch."""
-    return 4 * (p["upg"] * hd + p["wg"])
+    return 4 * (p["upg"] * sc["hd"] + p["wg"])
 
 
-def params_for(dev, hd):
-    """Template parameters at head dim ``hd`` (rotary half not included)."""
-    p = check_params("qk_norm_rope", tuning.choose(dev, "qk_norm_rope", {"hd": hd}, lambda: heuristic(dev, hd)),
-                     ("wg", "vw", "upg", "rb"))
-    if p["wg"] % p["upg"] or p["rb"] % p["upg"]:
-        raise ValueError(f"qk_norm_rope parameters {p}: upg must divide wg and rb")
-    p["vw"] = vector_width(p["vw"], hd)
+def _render(p, sc):
+    hd = sc["hd"]
+    p = dict(p, hd=hd, vw=vector_width(p["vw"], hd))
     p["ch"] = -(-hd // (p["vw"] * (p["wg"] // p["upg"])))
-    local = local_bytes(hd, p)
-    if local > dev.local_mem_size:
-        raise LimitError(f"qk_norm_rope {p} at hd={hd}: needs {local} bytes of local memory, "
-                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
     return p
+
+
+SPEC = Spec(
+    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "rb"),
+    lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "upg": [1, 2, 4, 8], "rb": [8, 16, 32, 64]},
+    heuristic,
+    rules=lambda p, sc: ((p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"),
+                         (p["wg"] % p["upg"] == 0 and p["rb"] % p["upg"] == 0, "upg must divide wg and rb")),
+    local_bytes=local_bytes, render=_render,
+    doc="qk_norm_rope and qk_norm_rope_bwd: wg work-items per group, vw vector width, upg units per group, "
+        "rb units per backward group")
 
 
 def _geometry(queue, x, w):
@@ -104,10 +108,11 @@ def _rope(queue, rope, hd, window):
 
 
 def _kernel(queue, name, units, hd, half):
-    p = params_for(queue.device, hd)
+    sc = {"hd": hd}
+    p = SPEC.params(queue.device, sc)
     idx = index_type(units * hd + p["rb"] * hd)
-    knl = kernels(queue, TEMPLATE, dict(p, hd=hd, half=half, idx=idx), work_group_size=p["wg"])[name]
-    return p, knl, index_scalar(idx)(units)
+    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx)
+    return p, knl[name], index_scalar(idx)(units)
 
 
 def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=None, inv=None, wait_for=None,
@@ -117,15 +122,14 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=No
     eps = check_eps(eps)
     n, heads, hd = _geometry(queue, x, w)
     half, window, rope = _rope(queue, rope, hd, window)
-    y = output("out", out, queue, x.shape, allocator)
-    inv = output("inv", inv, queue, (n, heads), allocator)
+    y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads))],
+                     [("x", x), ("w", w), ("rope", rope)])
     p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half)
     args = [y.data, inv.data, x.data, w.data] + ([rope.data] if half else [])
     args += [units, np.uint32(heads), np.uint32(window), eps, gain_offset(gemma)]
     evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope))
-    y.add_event(evt)
-    inv.add_event(evt)
-    return y, inv
+    hold([evt], y, inv, x, w, rope)
+    return wrote([evt], y, inv)
 
 
 def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=None, dw=None, wait_for=None,
@@ -140,15 +144,16 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
     check_array("inv", inv, queue, shape=(n, heads))
     check_array("dy", dy, queue, shape=x.shape)
     accumulate = dw is not None
-    dx = output("dx", dx, queue, x.shape, allocator)
-    dw = output("dw", dw, queue, (hd,), allocator)
+    dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,))],
+                     [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)])
     p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half)
     blocks = -(-int(units) // p["rb"])
-    partial = output("partial", None, queue, (blocks, hd), allocator)  # scratch: per-block column sums
+    partial = scratch(queue, (blocks, hd), allocator)  # per-block column sums
     args = [dx.data, partial.data, x.data, w.data, inv.data] + ([rope.data] if half else [])
     args += [dy.data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
     evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
-    dx.add_event(evt)
-    dw.add_event(evt)  # both stages' events: the profile of dw covers its two kernels
-    dw.add_event(column_sum(queue, partial, dw, accumulate, wait_for=[evt]))
+    done = column_sum(queue, partial, dw, accumulate, wait_for=[evt])
+    hold([done], partial, dx, dw, x, w, inv, rope, dy)
+    wrote([evt], dx)
+    wrote([evt, done], dw)  # both stages' events: the profile of dw covers its two kernels
     return dx, dw

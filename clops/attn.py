@@ -6,7 +6,8 @@ positions restart at 0 in each; key j is seen by query i of the same window
 iff ``j ≤ i``; query head h reads kv head ``h // (nh / nkv)``.
 
 Forward op name in the tuning database: ``"attention_fwd"``, shape class
-``{"hd": hd}``. Template ``attention_fwd.cl.mako``. Its parameters:
+``{"hd": hd}``; its spec is ``FWD`` (and the backward's ``BWD[kind]``, see
+below). Template ``attention_fwd.cl.mako``. Its parameters:
 
 - ``bq``: query rows per work-group; a multiple of ``rq``.
 - ``rq``: query rows per work-item (its register tile has ``rq`` rows of scores
@@ -35,11 +36,10 @@ import math
 import numpy as np
 import pyopencl as cl
 
-from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_type, output, positive_int
-from .program import LimitError, kernels
+from .args import check_array, check_queue, events, finite_float, hold, index_type, outputs, positive_int, scratch, wrote
+from .program import LimitError
+from .spec import Spec
 
-FWD_TEMPLATE = "attention_fwd.cl.mako"
 MAX_HD = 256
 LOG2E = 1.4426950408889634
 
@@ -69,17 +69,18 @@ def _scale(scale, hd):
     return 1.0 / math.sqrt(hd) if scale is None else finite_float("scale", scale)
 
 
-def fwd_heuristic(dev, hd):
+def fwd_heuristic(dev, sc):
     """Forward tiles from the device's limits (the shapes that measured best on an H200, by head dim)."""
+    hd = sc["hd"]
     if not dev.type & cl.device_type.GPU:
         return {"bq": 16, "rq": 4, "tx": 4, "bk": 16, "vw": 4, "dc": 32, "kc": 16}
     small = hd <= 64
     p = {"bq": 64, "rq": 8 if 64 < hd <= 128 else 4, "tx": 8 if small else 16, "bk": 32 if small else 64,
          "vw": 4, "dc": hd if small else 32, "kc": 16}
-    while _fwd_local_bytes(hd, p) > dev.local_mem_size and p["bk"] > p["tx"]:
+    while _fwd_local_bytes(p, sc) > dev.local_mem_size and p["bk"] > p["tx"]:
         p["bk"] //= 2
         p["kc"] = min(p["kc"], p["bk"])
-    while fwd_wg(p) > dev.max_work_group_size and p["bq"] > p["rq"]:
+    while fwd_wg(p, sc) > dev.max_work_group_size and p["bq"] > p["rq"]:
         p["bq"] //= 2
     return p
 
@@ -89,13 +90,13 @@ def _fwd_hdp(hd, p):
     return -(-hd // step) * step
 
 
-def fwd_wg(p):
+def fwd_wg(p, sc):
     """Work-items of a forward group: ``tx`` across keys times ``bq / rq`` across rows."""
     return p["tx"] * (p["bq"] // p["rq"])
 
 
-def _fwd_local_bytes(hd, p):
-    bq, bk, dc, vw, kc, tx = p["bq"], p["bk"], p["dc"], p["vw"], p["kc"], p["tx"]
+def _fwd_local_bytes(p, sc):
+    hd, bq, bk, dc, vw, kc, tx = sc["hd"], p["bq"], p["bk"], p["dc"], p["vw"], p["kc"], p["tx"]
     # Step 1's K (and Q) chunks share local memory with Pᵀ and the V chunk of steps 2-3.
     pv = -(-bk * (bq + 4) // vw) * vw + kc * (_fwd_hdp(hd, p) + vw)
     if dc >= hd:  # Q resident beside them
@@ -103,31 +104,7 @@ def _fwd_local_bytes(hd, p):
     return 4 * (max((bq + bk) * (dc + vw), pv) + bq * tx)
 
 
-def fwd_params(dev, hd):
-    """Checked forward parameters for ``dev`` and head dim ``hd`` (database, else heuristic)."""
-    return fwd_check(dev, hd, tuning.choose(dev, "attention_fwd", {"hd": hd}, lambda: fwd_heuristic(dev, hd)))
-
-
-def _check_tiles(dev, what, p, names, rules, wg, wg_text, local_bytes):
-    """``p`` if ``dev`` can run ``what`` with it; else LimitError saying why. In order: ``names`` are
-    positive ints, ``rules(p)`` ((holds, text), ...) hold, ``wg(p)`` work-items (``wg_text`` says how
-    they are counted) and ``local_bytes(p)`` bytes of local memory fit the device."""
-    if sorted(p) != sorted(names) or not all(isinstance(p[x], int) and p[x] > 0 for x in names):
-        raise LimitError(f"{what}: parameters must be positive ints named {names}, got {p}")
-    for ok, rule in rules(p):
-        if not ok:
-            raise LimitError(f"{what} {p}: {rule}")
-    if wg(p) > dev.max_work_group_size:
-        raise LimitError(f"{what} {p}: {wg(p)} work-items{wg_text} exceed the device's "
-                         f"CL_DEVICE_MAX_WORK_GROUP_SIZE ({dev.max_work_group_size})")
-    need = local_bytes(p)
-    if need > dev.local_mem_size:
-        raise LimitError(f"{what} {p}: needs {need} bytes of local memory, "
-                         f"CL_DEVICE_LOCAL_MEM_SIZE is {dev.local_mem_size}")
-    return p
-
-
-def _fwd_rules(p):
+def _fwd_rules(p, sc):
     return (
         (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
         (p["bq"] % p["rq"] == 0, "bq must be a multiple of rq"),
@@ -137,10 +114,12 @@ def _fwd_rules(p):
     )
 
 
-def fwd_check(dev, hd, p):
-    """``p`` if ``dev`` can run the forward with it at head dim ``hd``; else LimitError saying why."""
-    return _check_tiles(dev, f"attention_fwd hd={hd}", p, ("bq", "rq", "tx", "bk", "vw", "dc", "kc"), _fwd_rules,
-                        fwd_wg, " (tx·bq/rq)", lambda p: _fwd_local_bytes(hd, p))
+FWD = Spec(
+    "attention_fwd", "attention_fwd.cl.mako", ("bq", "rq", "tx", "bk", "vw", "dc", "kc"),
+    lambda sc: {"bq": [16, 32, 64, 128], "rq": [1, 2, 4, 8], "tx": [4, 8, 16, 32], "bk": [16, 32, 64, 128],
+                "vw": [1, 2, 4], "dc": [16, 32, 64], "kc": [8, 16, 32]},
+    fwd_heuristic, rules=_fwd_rules, wg=fwd_wg, local_bytes=_fwd_local_bytes,
+    render=lambda p, sc: dict(p, hd=sc["hd"]), doc="attention forward (the module docstring lists the tiles)")
 
 
 def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_for=None, allocator=None):
@@ -150,18 +129,15 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
     """
     n, nh, nkv, hd, windows = _check_geometry(queue, q, k, v, window)
     scale = _scale(scale, hd)
-    p = fwd_params(queue.device, hd)
-    out = output("out", out, queue, (n, nh, hd), allocator)
-    lse = output("lse", lse, queue, (n, nh), allocator)
-    idx = index_type(n * nh * hd)
-    knl = kernels(queue, FWD_TEMPLATE, dict(p, hd=hd, idx=idx), work_group_size=fwd_wg(p))["attention_fwd"]
+    out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh))],
+                       [("q", q), ("k", k), ("v", v)])
+    p, knl = FWD.kernels(queue, {"hd": hd}, idx=index_type(n * nh * hd))
     nqb = -(-window // p["bq"])
     args = [q.data, k.data, v.data, out.data, lse.data, np.uint32(window), np.uint32(nh), np.uint32(nh // nkv),
             np.float32(scale * LOG2E)]
-    evt = knl(queue, (nh, windows, nqb), args, wait_for=events(wait_for, q, k, v, out, lse))
-    out.add_event(evt)
-    lse.add_event(evt)
-    return out, lse
+    evt = knl["attention_fwd"](queue, (nh, windows, nqb), args, wait_for=events(wait_for, q, k, v, out, lse))
+    hold([evt], q, k, v, out, lse)
+    return wrote([evt], out, lse)
 
 
 # ---- backward ----
@@ -204,22 +180,24 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
 # ValueError) naming the rule.
 
 BWD_TEMPLATE = "attention_bwd.cl.mako"
-BWD_NAMES = ("wg", "split", "bq", "bk", "sq", "sk", "dc", "jc", "tr", "td", "vw")
-DQS_NAMES = ("wg", "bq", "jc", "tr", "td", "vw")
 
 
 def _bwd_mats(kind):
     return 2 if kind == "dkv" else 1
 
 
-def _bwd_local_bytes(kind, hd, p):
-    if kind == "dqs":
-        return 4 * (p["jc"] * hd + p["bq"] * (p["jc"] + 1))
-    m = _bwd_mats(kind)
-    # step 2 stages its operand only when step 1 did not hold the whole head dim (dc < hd)
-    stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"],
-                0 if p["dc"] == hd else m * p["jc"] * hd)
-    return 4 * (stage + m * p["bq"] * p["bk"])
+def _bwd_local_bytes(kind):
+    def local_bytes(p, sc):
+        hd = sc["hd"]
+        if kind == "dqs":
+            return 4 * (p["jc"] * hd + p["bq"] * (p["jc"] + 1))
+        m = _bwd_mats(kind)
+        # step 2 stages its operand only when step 1 did not hold the whole head dim (dc < hd)
+        stage = max((2 * p["bq"] + 2 * p["bk"]) * (p["dc"] // p["vw"] + 1) * p["vw"],
+                    0 if p["dc"] == hd else m * p["jc"] * hd)
+        return 4 * (stage + m * p["bq"] * p["bk"])
+
+    return local_bytes
 
 
 def bwd_tile_wg(kind, hd, p):
@@ -229,25 +207,37 @@ def bwd_tile_wg(kind, hd, p):
     return (p["split"] if kind == "dkv" else 1) * (rows // p["tr"]) * (hd // p["td"])
 
 
-def _bwd_rules(kind, hd, p):
-    rows, rname = (p["bk"], "bk") if kind == "dkv" else (p["bq"], "bq")
-    step2 = (
-        (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
-        (hd % p["td"] == 0 and p["td"] % p["vw"] == 0, "td must divide hd and be a multiple of vw"),
-        (p["tr"] in (1, 2, 4, 8, 16) and rows % p["tr"] == 0, f"tr must be 1, 2, 4, 8 or 16 and divide {rname}"),
-    )
-    if kind == "dqs":
-        return step2 + ((bwd_tile_wg(kind, hd, p) == p["wg"], "wg must equal (bq/tr)·(hd/td)"),)
-    chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
-    return step2 + (
-        (p["split"] in (1, 2), "split must be 1 or 2"),
-        (hd % p["dc"] == 0 and p["dc"] % p["vw"] == 0, "dc must divide hd and be a multiple of vw"),
-        (p["bq"] % p["sq"] == 0 and p["bk"] % p["sk"] == 0, "sq must divide bq and sk divide bk"),
-        (chunked % p["jc"] == 0, f"jc must divide {cname}"),
-        (p["split"] * (p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"], "wg must equal split·(bq/sq)·(bk/sk)"),
-        (bwd_tile_wg(kind, hd, p) == p["wg"],
-         f"wg must equal {'split·' if kind == 'dkv' else ''}({rname}/tr)·(hd/td)"),
-    )
+def _bwd_rules(kind):
+    def rules(p, sc):
+        hd = sc["hd"]
+        rows, rname = (p["bk"], "bk") if kind == "dkv" else (p["bq"], "bq")
+        step2 = (
+            (p["vw"] in (1, 2, 4), "vw must be 1, 2 or 4"),
+            (hd % p["td"] == 0 and p["td"] % p["vw"] == 0, "td must divide hd and be a multiple of vw"),
+            (p["tr"] in (1, 2, 4, 8, 16) and rows % p["tr"] == 0, f"tr must be 1, 2, 4, 8 or 16 and divide {rname}"),
+        )
+        if kind == "dqs":
+            return step2 + ((bwd_tile_wg(kind, hd, p) == p["wg"], "wg must equal (bq/tr)·(hd/td)"),)
+        chunked, cname = (p["bq"], "bq") if kind == "dkv" else (p["bk"], "bk")
+        return step2 + (
+            (p["split"] in (1, 2), "split must be 1 or 2"),
+            (hd % p["dc"] == 0 and p["dc"] % p["vw"] == 0, "dc must divide hd and be a multiple of vw"),
+            (p["bq"] % p["sq"] == 0 and p["bk"] % p["sk"] == 0, "sq must divide bq and sk divide bk"),
+            (chunked % p["jc"] == 0, f"jc must divide {cname}"),
+            (p["split"] * (p["bq"] // p["sq"]) * (p["bk"] // p["sk"]) == p["wg"],
+             "wg must equal split·(bq/sq)·(bk/sk)"),
+            (bwd_tile_wg(kind, hd, p) == p["wg"],
+             f"wg must equal {'split·' if kind == 'dkv' else ''}({rname}/tr)·(hd/td)"),
+        )
+
+    return rules
+
+
+def _bwd_heuristic(kind):
+    def heuristic(dev, sc):
+        return bwd_heuristic(dev, kind, sc["hd"])
+
+    return heuristic
 
 
 def bwd_heuristic(dev, kind, hd):
@@ -279,29 +269,54 @@ def bwd_heuristic(dev, kind, hd):
     dc = next(d for d in (32, 16, 8, 4, 2, 1) if hd % d == 0 and d % vw == 0)  # halved below until it fits
     p = {"wg": wg, "split": 1, "bq": bq, "bk": bk, "sq": sq, "sk": e1 // sq, "dc": dc, "jc": math.gcd(8, other),
          "tr": tr, "td": td, "vw": vw}
-    while _bwd_local_bytes(kind, hd, p) > dev.local_mem_size and p["dc"] > vw:
+    while _bwd_local_bytes(kind)(p, {"hd": hd}) > dev.local_mem_size and p["dc"] > vw:
         p["dc"] //= 2
     return p
 
 
-def bwd_params(dev, kind, hd):
-    """Checked parameters of the ``kind`` pass for ``dev`` and ``hd`` (database, else heuristic)."""
-    p = tuning.choose(dev, "attention_bwd_" + kind, {"hd": hd}, lambda: bwd_heuristic(dev, kind, hd))
-    return bwd_check(dev, kind, hd, p)
+def _bwd_derive(kind):
+    """What a sweep does not choose: wg from the accumulator tiles (bwd_tile_wg), then, but for dqs,
+    sk so that split·(bq/sq)·(bk/sk) = wg (0: impossible)."""
+
+    def derive(p, sc):
+        if kind == "dqs":
+            return dict(p, wg=bwd_tile_wg(kind, sc["hd"], p))
+        wg = bwd_tile_wg(kind, sc["hd"], p)
+        per = p["split"] * p["bq"] * p["bk"]
+        return dict(p, wg=wg, sk=per // (p["sq"] * wg) if per % (p["sq"] * wg) == 0 else 0)
+
+    return derive
 
 
-def bwd_check(dev, kind, hd, p):
-    """``p`` if ``dev`` can run the ``kind`` pass with it at head dim ``hd``; else LimitError saying why."""
-    return _check_tiles(dev, f"attention_bwd_{kind} hd={hd}", p, DQS_NAMES if kind == "dqs" else BWD_NAMES,
-                        lambda p: _bwd_rules(kind, hd, p),
-                        lambda p: p["wg"], "", lambda p: _bwd_local_bytes(kind, hd, p))
+def _bwd_render(kind):
+    """The template parameters of the ``kind`` pass; dkv adds ``lanes``, attn_bwd_dsum's work-items
+    per row (up to 8 that read the row's vectors side by side, as many as divide the row and the group)."""
+
+    def render(p, sc):
+        p = dict(p, kind=kind, hd=sc["hd"])
+        if kind == "dkv":
+            p["lanes"] = math.gcd(sc["hd"] // p["vw"], 8, p["wg"])
+        return p
+
+    return render
 
 
-def dkv_render_params(hd, p, idx, store_ds):
-    """What the "dkv" pass of the template is rendered with: the dkv parameters ``p``, whether
-    attn_bwd_dkv stores dS, and ``lanes``, attn_bwd_dsum's work-items per row (up to 8 that read
-    the row's vectors side by side, as many as divide the row and the group)."""
-    return dict(p, kind="dkv", hd=hd, idx=idx, store_ds=int(store_ds), lanes=math.gcd(hd // p["vw"], 8, p["wg"]))
+def _bwd_spec(kind, names, space, doc):
+    return Spec("attention_bwd_" + kind, BWD_TEMPLATE, names, lambda sc: dict(space), _bwd_heuristic(kind),
+                rules=_bwd_rules(kind), local_bytes=_bwd_local_bytes(kind), render=_bwd_render(kind),
+                sweep_derive=_bwd_derive(kind), doc=doc)
+
+
+_BWD_NAMES = ("wg", "split", "bq", "bk", "sq", "sk", "dc", "jc", "tr", "td", "vw")
+_BWD_SPACE = {"bq": [16, 32, 64], "bk": [16, 32, 64], "tr": [1, 2, 4, 8], "td": [8, 16, 32, 64], "vw": [2, 4],
+              "dc": [8, 16, 32], "jc": [4, 8, 16], "sq": [1, 2, 4], "split": [1, 2]}
+BWD = {
+    "dkv": _bwd_spec("dkv", _BWD_NAMES, _BWD_SPACE, "attn_bwd_dsum and attn_bwd_dkv (dK, dV; dS stored or not)"),
+    "dq": _bwd_spec("dq", _BWD_NAMES, _BWD_SPACE, "attn_bwd_dq (dQ recomputing S, dP and dS)"),
+    "dqs": _bwd_spec("dqs", ("wg", "bq", "jc", "tr", "td", "vw"),
+                     {"bq": [16, 32, 64, 128], "tr": [1, 2, 4, 8, 16], "td": [8, 16, 32, 64], "vw": [2, 4],
+                      "jc": [8, 16, 32, 64]}, "attn_bwd_dqs (dQ = dS·K from the stored dS)"),
+}
 
 
 def ds_scratch_floats(windows, window, nh):
@@ -332,42 +347,41 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     check_array("lse", lse, queue, shape=(n, nh))
     check_array("do", do, queue, shape=q.shape)
     dev = queue.device
-    scratch = ds_scratch_floats(windows, window, nh)
+    floats = ds_scratch_floats(windows, window, nh)
     if store_ds is None:
-        store_ds = store_ds_default(dev, 4 * scratch)
+        store_ds = store_ds_default(dev, 4 * floats)
     elif not isinstance(store_ds, bool):
         raise TypeError(f"store_ds: expected True, False or None, got {store_ds!r}")
-    elif store_ds and 4 * scratch > dev.max_mem_alloc_size:
-        raise LimitError(f"store_ds: the dS scratch takes {4 * scratch} bytes, more than the device's "
+    elif store_ds and 4 * floats > dev.max_mem_alloc_size:
+        raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
                          f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({dev.max_mem_alloc_size})")
     qkind = "dqs" if store_ds else "dq"
-    pk, pq = bwd_params(dev, "dkv", hd), bwd_params(dev, qkind, hd)
-    idx = index_type(n * nh * hd, scratch if store_ds else 0)
-    kv_params = dkv_render_params(hd, pk, idx, store_ds)
-    kv_knl = kernels(queue, BWD_TEMPLATE, kv_params, work_group_size=pk["wg"])
-    q_knl = kernels(queue, BWD_TEMPLATE, dict(pq, kind=qkind, hd=hd, idx=idx),
-                    work_group_size=pq["wg"])["attn_bwd_" + qkind]
-    dq = output("dq", dq, queue, q.shape, allocator)
-    dk = output("dk", dk, queue, k.shape, allocator)
-    dv = output("dv", dv, queue, k.shape, allocator)
-    dsum = output("dsum", None, queue, (n, nh), allocator)  # scratch: D = Σ dO·O
-    stored = [output("ds", None, queue, (scratch,), allocator)] if store_ds else []  # scratch: dS
+    dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
+                         [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)])
+    sc = {"hd": hd}
+    idx = index_type(n * nh * hd, floats if store_ds else 0)
+    pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds))
+    pq, q_knl = BWD[qkind].kernels(queue, sc, idx=idx)
+    q_knl = q_knl["attn_bwd_" + qkind]
+    dsum = scratch(queue, (n, nh), allocator)  # D = Σ dO·O
+    stored = [scratch(queue, (floats,), allocator)] if store_ds else []  # dS
     rows = n * nh
-    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // kv_params["lanes"])),),
+    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // pk["lanes"])),),
                                     [o.data, do.data, dsum.data, np.uint32(rows)],
-                                    wait_for=events(wait_for, o, do, dsum))
+                                    wait_for=events(wait_for, o, do))
     geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
     coefs = [np.float32(scale * LOG2E), np.float32(scale)]
     ins = [q.data, k.data, v.data, do.data, lse.data, dsum.data]
     e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,),
                                   ins + [dk.data, dv.data] + [ds.data for ds in stored] + geom + coefs,
-                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, *stored))
+                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv))
     q_groups = (-(-window // pq["bq"]) * windows * nh,)
     if store_ds:
         e_q = q_knl(queue, q_groups, [k.data, stored[0].data, dq.data] + geom, wait_for=[e_kv] + events(None, dq))
     else:
         e_q = q_knl(queue, q_groups, ins + [dq.data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
-    dk.add_event(e_kv)
-    dv.add_event(e_kv)
-    dq.add_event(e_q)
+    # on an out-of-order queue dQ (recomputed) may finish before dK/dV: both are waited for
+    hold([e_kv, e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, *stored)
+    wrote([e_kv], dk, dv)
+    wrote([e_q], dq)
     return dq, dk, dv
