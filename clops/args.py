@@ -42,8 +42,16 @@ def check_queue(queue):
         raise TypeError(f"queue: expected a pyopencl.CommandQueue, got {type(queue).__name__}")
 
 
+_F32 = np.dtype(np.float32)
+
+
 def check_array(name, arr, queue, shape=None, ndim=None):
-    """Require a C-contiguous float32 ``pyopencl.array.Array`` on ``queue``'s context, zero offset."""
+    """Require a C-contiguous float32 ``pyopencl.array.Array`` on ``queue``'s context, zero offset
+    (of ``shape``, a tuple, or of ``ndim`` dimensions, when given)."""
+    if (type(arr) is cla.Array and arr.dtype == _F32 and arr.offset == 0 and arr.size
+            and (shape is None or arr.shape == shape) and (ndim is None or arr.ndim == ndim)
+            and arr.flags.c_contiguous and arr.context == queue.context):
+        return arr  # the common case, in one test; the checks below say what is wrong
     if not isinstance(arr, cla.Array):
         raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")
     if arr.dtype != np.float32:
@@ -60,7 +68,7 @@ def check_array(name, arr, queue, shape=None, ndim=None):
         raise ValueError(f"{name}: views with a nonzero offset ({arr.offset} bytes) are not supported; pass a copy")
     if arr.context != queue.context:
         raise ValueError(f"{name}: array belongs to another context than the queue")
-    return arr
+    return arr  # a subclass of pyopencl.array.Array
 
 
 _pools = weakref.WeakKeyDictionary()  # context -> its default MemoryPool
@@ -131,9 +139,13 @@ def hold(evts, *arrays):
 
 def _release_completed():
     """Drop the holds whose kernels have completed, oldest first, up to the first still pending."""
+    if not _held:
+        return
     with _pool_lock:
-        # CL_COMPLETE is 0, errors are negative: either way the arrays are no longer used.
-        while _held and all(e.command_execution_status <= 0 for e in _held[0][0]):
+        while _held:
+            for e in _held[0][0]:
+                if e.command_execution_status > 0:  # CL_COMPLETE is 0, errors are negative
+                    return
             _held.popleft()
 
 
@@ -143,6 +155,11 @@ def check_disjoint(given, inputs, in_place=()):
     ((name, array or None), ...). ``in_place``: names of inputs an output may be exactly (of the
     same size: elementwise ops read each element before they write it)."""
     outs = [(n, a) for n, a in given if a is not None]
+    if not outs:
+        return
+    ptrs = [a.base_data.int_ptr for _, a in outs]
+    if len(set(ptrs)) == len(ptrs) and {b.base_data.int_ptr for _, b in inputs if b is not None}.isdisjoint(ptrs):
+        return  # the common case; the loop below finds the pair that shares memory
     for i, (name, a) in enumerate(outs):
         ptr = a.base_data.int_ptr
         others = [(n, b, True) for n, b in inputs] + [(n, b, False) for n, b in outs[i + 1:]]

@@ -132,8 +132,19 @@ _lock = threading.RLock()
 observers = {}
 
 
+_switches = {}
+
+
+def reload_switches():
+    """Read ``CLOPS_CHECKED`` again: it is read when clops is imported, not at every op call."""
+    _switches["checked"] = os.environ.get("CLOPS_CHECKED", "") not in ("", "0")
+
+
+reload_switches()
+
+
 def checked_enabled():
-    return os.environ.get("CLOPS_CHECKED", "") not in ("", "0")
+    return _switches["checked"]
 
 
 def kernels(queue, template, params, *, work_group_size=None):
@@ -235,6 +246,8 @@ class Kernel:
             )
         # pyopencl kernels are not safe to share between threads while arguments are set.
         self._lock = threading.Lock()
+        self._typed = False
+        self._local = {dims: self.local_size[:dims] for dims in (1, 2, 3)}
         self.sites = list(sites)
         self._guarded = self._guarded_buffers() if params.get("checked") else None
 
@@ -257,14 +270,19 @@ class Kernel:
 
     def __call__(self, queue, groups, args, wait_for=None):
         """Enqueue over ``groups`` work-groups (a tuple, one per dimension); returns the event."""
-        global_size = tuple(g * l for g, l in zip(groups, self.local_size))
+        global_size = tuple([g * l for g, l in zip(groups, self.local_size)])
         if self._guarded is not None:
             # Checked build: an error record (flag, site, index low, high) and the buffers' sizes.
             err = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
                             hostbuf=np.zeros(4, np.uint32))
             args = [*args, err, *(np.uint64(args[i].size) for i in self._guarded)]
         with self._lock:
-            evt = self.knl(queue, global_size, self.local_size[: len(global_size)], *args, wait_for=wait_for)
+            if not self._typed:
+                # Scalar types declared once (from the first call's numpy scalars): pyopencl then packs
+                # them itself; untyped, setting them cost 60-70 µs a launch on NVIDIA's driver.
+                self.knl.set_scalar_arg_dtypes([None if isinstance(a, cl.MemoryObjectHolder) else a.dtype for a in args])
+                self._typed = True
+            evt = self.knl(queue, global_size, self._local[len(global_size)], *args, wait_for=wait_for)
         if observers:
             for observe in list(observers.values()):
                 observe(queue, self, global_size, evt)

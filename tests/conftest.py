@@ -12,11 +12,13 @@ _contexts = {}  # device -> the context its tests share
 
 @pytest.fixture(autouse=True)
 def _tuning_reread():
-    """Ops memoise their tuning choice (clops.tuning.reload() forgets it): after each test, whose
-    monkeypatching of the database (overrides, CLOPS_TUNING_DIR, files) has been undone by then
-    (autouse fixtures are torn down last), the next one starts from the real database."""
+    """Ops memoise their tuning choice (clops.tuning.reload() forgets it) and read CLOPS_CHECKED
+    once (clops.program.reload_switches()): after each test, whose monkeypatching of the database
+    and the environment has been undone by then (autouse fixtures are torn down last), the next
+    one starts from the real database and environment."""
     yield
     clops.tuning.reload()
+    clops.program.reload_switches()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import clops
 from clops import bench, tune
 
-HELPERS = {"BuildError", "LimitError", "default_context", "default_queue", "profile", "rope_table"}
+HELPERS = {"BuildError", "LimitError", "default_context", "default_queue", "profile", "rope_table", "memory_pool"}
 
 
 def test_every_public_op_is_benched():

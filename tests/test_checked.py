@@ -8,6 +8,7 @@ import pyopencl.array as cla
 import pytest
 
 import clops
+from clops import program
 from clops.check import all_cases
 from clops.program import BuildError, Kernel, OutOfBoundsError, kernels, render
 
@@ -16,6 +17,7 @@ PARAMS = {"wg": 16, "vw": 4, "ept": 2, "idx": "uint"}
 
 def test_unchecked_source_has_no_guards(monkeypatch):
     monkeypatch.delenv("CLOPS_CHECKED", raising=False)
+    program.reload_switches()  # CLOPS_CHECKED is read once
     plain = render("elementwise.cl.mako", **PARAMS, checked=False)
     assert "clops_guard" not in plain and "clops_err" not in plain
     assert "clops_guard(" in render("elementwise.cl.mako", **PARAMS, checked=True)
@@ -23,8 +25,10 @@ def test_unchecked_source_has_no_guards(monkeypatch):
 
 def test_checked_variant_has_its_own_cache_entry(queue, monkeypatch):
     monkeypatch.delenv("CLOPS_CHECKED", raising=False)
+    program.reload_switches()  # CLOPS_CHECKED is read once
     plain = kernels(queue, "elementwise.cl.mako", PARAMS)["add"]
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     checked = kernels(queue, "elementwise.cl.mako", PARAMS)["add"]
     assert checked is not plain and checked.params["checked"] and not plain.params["checked"]
     assert checked.knl.num_args > plain.knl.num_args
@@ -33,6 +37,7 @@ def test_checked_variant_has_its_own_cache_entry(queue, monkeypatch):
 @pytest.mark.parametrize("n", [100, 131])  # the vector path, then the scalar tail, runs past the buffers
 def test_planted_out_of_range_geometry_raises(queue, monkeypatch, n):
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     size = 64
     a = cla.to_device(queue, np.ones(size, np.float32))
     b = cla.to_device(queue, np.ones(size, np.float32))
@@ -50,6 +55,7 @@ def test_planted_out_of_range_geometry_raises(queue, monkeypatch, n):
 def test_planted_gather_out_of_range_raises(queue, monkeypatch):
     """A row weight shorter than the rows it is indexed by."""
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     rows, width = 5, 16
     a = cla.to_device(queue, np.ones(rows * width, np.float32))
     rw = cla.to_device(queue, np.ones(rows - 2, np.float32))
@@ -111,6 +117,7 @@ PLANTED = {"rms_norm_fwd": _rms_norm_rows, "qk_norm_rope_fwd": _qk_units, "atten
 @pytest.mark.parametrize("name", sorted(PLANTED))
 def test_planted_geometry_of_each_family_raises(queue, monkeypatch, name):
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     knl, groups, args = PLANTED[name](queue)
     with pytest.raises(OutOfBoundsError, match=rf"kernel {name} .* at index \d+, outside"):
         knl(queue, groups, args)
@@ -120,8 +127,10 @@ def test_checked_op_on_valid_input_matches_unchecked(queue, monkeypatch):
     x = np.linspace(-3, 3, 4099).astype(np.float32)
     a, b = cla.to_device(queue, x), cla.to_device(queue, x[::-1].copy())
     monkeypatch.delenv("CLOPS_CHECKED", raising=False)
+    program.reload_switches()  # CLOPS_CHECKED is read once
     want = clops.swiglu(queue, a, b).get()
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     got = clops.swiglu(queue, a, b).get()
     assert np.array_equal(got, want)
 
@@ -144,5 +153,6 @@ CASES = all_cases()
 def test_parity_cases_pass_checked(queue, monkeypatch, case):
     """Every parity case in a checked build: no guard fires on valid input, results stay right."""
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     bad = [f"{r.op} {r.shape}: {r.err:.3e}" for r in case.run(queue) if not r.ok]
     assert not bad, bad

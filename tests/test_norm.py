@@ -6,6 +6,7 @@ import pyopencl.array as cla
 import pytest
 
 import clops
+from clops import program
 from clops import norm
 from clops import reference as ref
 from clops import tuning
@@ -127,6 +128,7 @@ def test_bad_input_is_rejected_before_anything_runs(queue):
 def test_checked_build_catches_out_of_range_rows(queue, monkeypatch):
     """The guards are in place: a launch for 5 rows over buffers of 2 raises in a checked build."""
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     d = 64
     X, W = to_device(queue, rnd((2, d), 1), rnd(d, 2))
     y, inv = cla.empty(queue, (2, d), np.float32), cla.empty(queue, 2, np.float32)

@@ -22,6 +22,7 @@ def test_templates_build_without_warnings(ctx_factory, monkeypatch, family, chec
     queue = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
     monkeypatch.setenv("CLOPS_NO_CACHE", "1")
     monkeypatch.setenv("CLOPS_CHECKED", "1" if checked else "0")
+    clops.program.reload_switches()  # CLOPS_CHECKED is read once
     monkeypatch.setattr(tuning, "_overrides", {})  # the tour's tile overrides end with the test
     logs = {}
     real = clops.program.build_warnings

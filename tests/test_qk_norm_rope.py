@@ -8,6 +8,7 @@ import pyopencl.array as cla
 import pytest
 
 import clops
+from clops import program
 from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
@@ -179,6 +180,7 @@ def test_bad_input_is_rejected_before_anything_runs(queue):
 def test_checked_build_catches_a_table_read_past_its_end(queue, monkeypatch):
     """The guards are in place: window 5 over a table of 2 positions raises in a checked build."""
     monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
     x, w, _ = _data(5, 1, 16)
     X, W, R = to_device(queue, x, w, ref.rope_table(2, 8))
     y, inv = cla.empty(queue, x.shape, np.float32), cla.empty(queue, (5, 1), np.float32)

@@ -233,3 +233,19 @@ def test_too_few_runs_refused(queue, tmp_path):
     with pytest.raises(ValueError, match="at least 7"):
         tune.sweep(queue, tune.FAMILIES["elementwise"], {}, {"rows": 1, "width": 8}, {"wg": [16]}, tmp_path / "x",
                    runs=3)
+
+
+@pytest.mark.parametrize("name", sorted(tune.FAMILIES))
+def test_every_family_sweeps_through_the_command_line(queue, tuning_dirs, tmp_path, name, capsys):
+    """One configuration of each family, through ``clops tune`` as a user runs it (``tune qk_norm_rope``
+    once crashed: the package's name for the module was the op)."""
+    fam = tune.FAMILIES[name]
+    sc = {"hd": 16} if "hd" in fam.shape_class else {"d": 64} if "d" in fam.shape_class else {}
+    argv = [name, "--small", "--out", str(tmp_path / "r.json"), "--runs", "7", "--warmup", "0"]
+    argv += [f"--class={k}={v}" for k, v in sc.items()]
+    current = fam.spec.resolve(queue.device, sc)[0]  # one configuration: the op's own
+    argv += [f"--param={k}={current[k]}" for k in fam.space(sc)]
+    if name.startswith("attention"):
+        argv += ["--size", "windows=1", "--size", "window=16", "--size", "nh=2", "--size", "nkv=1"]
+    assert tune.main(argv, queue=queue) == 0, capsys.readouterr().out[-2000:]
+    assert "1 configurations: 1 correct" in capsys.readouterr().out
