@@ -7,9 +7,10 @@ given (any callable taking a byte count and returning a ``pyopencl.Buffer`` of a
 least that size, e.g. a ``pyopencl.tools.MemoryPool``), else from one memory pool
 per context (:func:`memory_pool`). Every array an op's kernels use (its inputs,
 outputs and scratch) is held until those kernels have completed (polled, never
-waited for, at the next op call), so a pool never hands memory out while a kernel
-still uses it: not the op's scratch, and not an array its caller has dropped, on
-any queue or any number of queues sharing one pool.
+waited for, at every op call that makes scratch and every ``POLL_EVERY``-th other
+one), so a pool never hands memory out while a kernel still uses it: not the op's
+scratch, and not an array its caller has dropped, on any queue or any number of
+queues sharing one pool.
 
 Events: an op's first kernel waits on ``wait_for`` plus the pending events of every
 array it reads or writes (pyopencl's ``.events``); each output's ``.events`` then
@@ -76,6 +77,8 @@ _pools = weakref.WeakKeyDictionary()  # context -> its default MemoryPool
 # a queue's Python context object may go while its kernels still run.
 _held = collections.deque()
 _pool_lock = threading.Lock()
+_calls = [0]  # op calls, for POLL_EVERY
+POLL_EVERY = 8  # op calls between two looks at the held arrays (every call that makes scratch looks too)
 
 
 def memory_pool(queue):
@@ -116,7 +119,9 @@ def outputs(queue, allocator, given, inputs, in_place=()):
     are checked (type, shape, no overlap with ``inputs`` ((name, array or None), ...) or each other,
     see :func:`check_disjoint`), the others are new (:func:`new_array`)."""
     check_allocator(allocator)
-    _release_completed()
+    _calls[0] += 1
+    if _calls[0] % POLL_EVERY == 0:  # a status query costs about a microsecond: not every call
+        _release_completed()
     for name, arr, shape in given:
         if arr is not None:
             check_array(name, arr, queue, shape=shape)
@@ -125,7 +130,9 @@ def outputs(queue, allocator, given, inputs, in_place=()):
 
 
 def scratch(queue, shape, allocator):
-    """A scratch array (pass it to :func:`hold` with the op's other arrays)."""
+    """A scratch array (pass it to :func:`hold` with the op's other arrays); what completed is
+    released first, so a loop of one op reuses its scratch at once."""
+    _release_completed()
     return new_array(queue, shape, allocator)
 
 
