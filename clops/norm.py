@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import tuning
-from .args import check_array, check_queue, events, finite_float, index_scalar, index_type, output
+from .args import check_array, check_queue, events, finite_float, flag, index_scalar, index_type, output
 from .program import kernels
 
 TEMPLATE = "rms_norm.cl.mako"
@@ -90,8 +90,8 @@ def dw_params(dev, d):
 
 
 def gain_offset(gemma):
-    """The kernels' w_offset: gains are ``w + offset`` (1 for gemma-style gains)."""
-    return np.float32(1.0 if gemma else 0.0)
+    """The kernels' w_offset: gains are ``w + offset`` (1 for gemma-style gains); ``gemma`` must be a bool."""
+    return np.float32(1.0 if flag("gemma", gemma) else 0.0)
 
 
 def check_eps(eps):
