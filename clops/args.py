@@ -63,8 +63,8 @@ def wait_list(wait_for, context):
     if wait_for is None:
         return []
     if isinstance(wait_for, cl.Event):
-        return [wait_for]
-    if isinstance(wait_for, (str, bytes)) or not hasattr(wait_for, "__iter__"):
+        wait_for = [wait_for]
+    elif isinstance(wait_for, (str, bytes)) or not hasattr(wait_for, "__iter__"):
         raise TypeError(f"wait_for: expected a pyopencl.Event or a sequence of them, got {type(wait_for).__name__}")
     out = list(wait_for)
     for e in out:
@@ -78,7 +78,7 @@ def wait_list(wait_for, context):
 def events(wait_for, *arrays):
     """The events a launch waits on: ``wait_for`` (see :func:`wait_list`; checked against the arrays'
     context) plus those pending on the arrays it touches."""
-    out = wait_list(wait_for, next(a.context for a in arrays if a is not None)) if wait_for else []
+    out = wait_list(wait_for, next(a.context for a in arrays if a is not None))
     for a in arrays:
         if a is not None:
             out.extend(a.events)

@@ -46,7 +46,8 @@ def _clops(args, **env):
 
 
 @pytest.mark.parametrize("args", [["-m", "clops", "info"], ["-m", "clops", "check"],
-                                  ["-c", "import clops; clops.default_queue()"]], ids=["info", "check", "default_queue"])
+                                  ["-c", "import clops; clops.default_queue()"]],
+                         ids=["info", "check", "default_queue"])
 def test_no_platform_says_what_to_install(tmp_path, args):
     res = _clops(args, OCL_ICD_VENDORS=str(tmp_path))
     last = res.stderr.strip().splitlines()[-1]

@@ -31,12 +31,18 @@ def test_gemma_must_be_a_bool(queue, monkeypatch, op):
     _check_refused(queue, monkeypatch, op, "gemma", TypeError, {"gemma": "False"})
 
 
+def _foreign_event(queue):
+    """An event of another context on the same device (on Intel's runtime, waiting on it aborted the process)."""
+    return cl.enqueue_marker(_other_context(queue, (1,)).queue)
+
+
 BAD_WAITS = {  # kind -> (exception, make(queue) -> the wait_for value)
     "[None]": (TypeError, lambda queue: [None]),
     "['x']": (TypeError, lambda queue: ["x"]),
     "a string": (TypeError, lambda queue: "x"),
-    "an int": (TypeError, lambda queue: 3),
-    "an event of another context": (ValueError, lambda queue: [cl.enqueue_marker(_other_context(queue, (1,)).queue)]),
+    "zero": (TypeError, lambda queue: 0),
+    "an event of another context": (ValueError, lambda queue: _foreign_event(queue)),
+    "a list with an event of another context": (ValueError, lambda queue: [_foreign_event(queue)]),
 }
 
 
