@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from decimal import Decimal
 
 import numpy as np
 import pyopencl as cl
@@ -30,6 +31,7 @@ import pyopencl.tools as cl_tools
 
 # Profilers register here (clops.profile) to count host-side work; empty, counting costs one dict check.
 host_observers = {}
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def note(queue, what, amount=1):
@@ -177,9 +179,27 @@ def check_disjoint(given, inputs, in_place=()):
                              f"{'an input' if is_input else 'another output'}")
 
 
+def wait_list(wait_for, context):
+    """``wait_for`` as a list: None, one ``pyopencl.Event`` or a sequence of them, all on ``context``."""
+    if wait_for is None:
+        return []
+    if isinstance(wait_for, cl.Event):
+        wait_for = [wait_for]
+    elif isinstance(wait_for, (str, bytes)) or not hasattr(wait_for, "__iter__"):
+        raise TypeError(f"wait_for: expected a pyopencl.Event or a sequence of them, got {type(wait_for).__name__}")
+    out = list(wait_for)
+    for e in out:
+        if not isinstance(e, cl.Event):
+            raise TypeError(f"wait_for: expected pyopencl.Events, got a {type(e).__name__} among them")
+        if e.context != context:
+            raise ValueError("wait_for: an event belongs to another context than the queue")
+    return out
+
+
 def events(wait_for, *arrays):
-    """The events a launch waits on: ``wait_for`` plus those pending on the arrays it touches."""
-    out = list(wait_for or ())
+    """The events a launch waits on: ``wait_for`` (see :func:`wait_list`; checked against the arrays'
+    context) plus those pending on the arrays it touches."""
+    out = wait_list(wait_for, next(a.context for a in arrays if a is not None))
     for a in arrays:
         if a is not None:
             out.extend(a.events)
@@ -194,20 +214,29 @@ def wrote(evts, *arrays):
     return arrays
 
 
-def positive_int(name, value):
+def positive_int(name, value, *, zero_ok=False):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name}: must be positive, got {value}")
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name}: must be {'≥ 0' if zero_ok else 'positive'}, got {value}")
     return int(value)
 
 
 def finite_float(name, value):
+    """``value`` as a float that is finite in float32 (the kernels' type)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    if not np.isfinite(value):
-        raise ValueError(f"{name}: must be finite, got {value}")
+    if not abs(value) <= FLOAT32_MAX:  # also NaN; a Python int is compared exactly, however large
+        shown = Decimal(int(value)) if isinstance(value, (int, np.integer)) else value
+        raise ValueError(f"{name}: must be finite in float32 (|value| ≤ {FLOAT32_MAX:.7g}), got {shown:.4g}")
     return float(value)
+
+
+def flag(name, value):
+    """``value`` if it is a bool: a string such as "False" would be taken as true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
 
 
 def index_type(*sizes):

@@ -1,4 +1,4 @@
-"""``python -m clops bench``: every op at DESIGN.md's benchmark shapes, against the device's limits.
+"""``python -m clops bench``: every op at transformer-sized shapes, against the device's limits.
 
 Memory-bound ops run at n = 16384 tokens, d = 5120 (the SwiGLU family at width
 3·d) and report GB/s counting the bytes of every input read and every output
@@ -385,6 +385,10 @@ def main(argv=None, queue=None, out=print):
     a = p.parse_args(argv)
     if a.step:
         return _step(a, queue, out)
+    every = benches(a.small)
+    unmatched = [t for t in a.only or () if not any(t in b.name for b in every)]
+    if unmatched:
+        p.error(f"--only {', '.join(unmatched)}: matches no op; the ops: {', '.join(b.name for b in every)}")
     queue = queue or runtime.default_queue(profiling=True)
     dev = queue.device
     torch, why = torch_gpu() if a.peers else (None, None)
@@ -401,7 +405,7 @@ def main(argv=None, queue=None, out=print):
     out(f"{'op':<36} {'shape':<26} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8}")
     data = Data(queue)
     ops = {}
-    for bench in benches(a.small):
+    for bench in every:
         if a.only and not any(t in bench.name for t in a.only):
             continue
         ops[bench.name] = run_bench(queue, bench, data, torch, limits, out)

@@ -7,6 +7,7 @@ import sys
 import pyopencl as cl
 
 from . import __version__, runtime
+from .check import FAMILIES
 
 
 def _device_lines(dev):
@@ -34,7 +35,7 @@ def info(args):
 
 
 def check(args):
-    from .check import FAMILIES, run_all
+    from .check import run_all
 
     queue = runtime.default_queue(profiling=True)
     dev = queue.device
@@ -50,13 +51,17 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="platforms, devices, limits, extensions, the chosen device and why")
     p = sub.add_parser("check", help="every op against the float64 reference on the chosen device")
-    p.add_argument("--family", action="append", help="only this op family (repeatable)")
+    p.add_argument("--family", action="append", choices=FAMILIES, help="only this op family (repeatable)")
     sub.add_parser("bench", help="benchmarks (see `python -m clops bench --help`)", add_help=False)
     sub.add_parser("tune", help="template-parameter sweeps (see `python -m clops tune --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("bench", "tune"):
-        import importlib
+    try:
+        if argv and argv[0] in ("bench", "tune"):
+            import importlib
 
-        return importlib.import_module(f"clops.{argv[0]}").main(argv[1:])
-    args = parser.parse_args(argv)
-    return {"info": info, "check": check}[args.command](args)
+            return importlib.import_module(f"clops.{argv[0]}").main(argv[1:])
+        args = parser.parse_args(argv)
+        return {"info": info, "check": check}[args.command](args)
+    except runtime.DeviceError as e:
+        print(f"clops: {e}", file=sys.stderr)
+        return 1

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .args import check_array, check_queue, events, finite_float, hold, index_scalar, index_type, outputs, scratch, wrote
+from .args import (check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type, outputs,
+                   scratch, wrote)
 from .spec import Spec
 
 TEMPLATE = "rms_norm.cl.mako"
@@ -83,8 +84,8 @@ DW = Spec(
 
 
 def gain_offset(gemma):
-    """The kernels' w_offset: gains are ``w + offset`` (1 for gemma-style gains)."""
-    return np.float32(1.0 if gemma else 0.0)
+    """The kernels' w_offset: gains are ``w + offset`` (1 for gemma-style gains); ``gemma`` must be a bool."""
+    return np.float32(1.0 if flag("gemma", gemma) else 0.0)
 
 
 def check_eps(eps):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .args import finite_float, positive_int
+
 
 def _f64(*arrays):
     return [np.asarray(a, dtype=np.float64) for a in arrays]
@@ -96,6 +98,10 @@ def rms_norm_dw(x, inv, dy):
 
 def rope_table(window, rotary_half, *, theta=1e7):
     """[window, half, 2] (cos, sin) of pos·theta^(−2i/(2·half)), float32."""
+    window = positive_int("window", window)
+    rotary_half = positive_int("rotary_half", rotary_half, zero_ok=True)
+    if not finite_float("theta", theta) > 0:
+        raise ValueError(f"theta: must be positive, got {theta}")
     if rotary_half == 0:
         return np.zeros((window, 0, 2), np.float32)
     inv_freq = 1.0 / theta ** (2.0 * np.arange(rotary_half) / (2 * rotary_half))

@@ -80,10 +80,21 @@ def register_cpu_runtime():
 REGISTRATION = register_cpu_runtime()
 
 
+class DeviceError(RuntimeError):
+    """No OpenCL device, or none that ``CLOPS_DEVICE`` names: the message says what was found and what to do."""
+
+
+def _platforms():
+    try:
+        return cl.get_platforms()
+    except cl.Error:  # PLATFORM_NOT_FOUND_KHR: the ICD loader found no vendor file that loads
+        return []
+
+
 def all_devices():
-    """[(platform_index, device_index, platform, device)] for every device found."""
+    """[(platform_index, device_index, platform, device)] for every device found (none: [])."""
     out = []
-    for pi, plat in enumerate(cl.get_platforms()):
+    for pi, plat in enumerate(_platforms()):
         try:
             devs = plat.get_devices()
         except cl.Error:
@@ -105,6 +116,26 @@ def _type_rank(dev):
     return next((rank for rank, (t, _) in enumerate(_TYPES) if dev.type & t), len(_TYPES))
 
 
+def found_devices():
+    """:func:`all_devices`, or DeviceError saying what was found and what to install or set."""
+    devices = all_devices()
+    if devices:
+        return devices
+    names = [p.name.strip() for p in _platforms()]
+    found = f"platforms without devices ({', '.join(names)})" if names else "no OpenCL platform"
+    vendors = os.environ.get("OCL_ICD_VENDORS")
+    fix = ("install an OpenCL runtime: `pip install 'clops[cpu]'` (Intel's CPU runtime), Debian's "
+           "pocl-opencl-icd, or your GPU's driver")
+    if REGISTRATION.startswith("OCL_ICD_VENDORS set by the user"):
+        fix += f", or unset OCL_ICD_VENDORS (the folder {vendors} is the only one the ICD loader reads)"
+    raise DeviceError(f"no OpenCL device: found {found} in the vendor files of {vendors or _SYSTEM_VENDORS}; {fix}")
+
+
+def _choices(devices):
+    listed = "; ".join(f"{pi}:{di} {plat.name.strip()} / {dev.name.strip()}" for pi, di, plat, dev in devices)
+    return f"found {listed}. Set CLOPS_DEVICE to part of one of these names or to P:D, or unset it"
+
+
 def select_device(selector=None):
     """(device, reason) for a ``CLOPS_DEVICE``-style selector.
 
@@ -112,9 +143,7 @@ def select_device(selector=None):
     substring of the platform or device name. Without one, a GPU is preferred
     over an accelerator over a CPU, then the platform order.
     """
-    devices = all_devices()
-    if not devices:
-        raise RuntimeError("no OpenCL device found (install a runtime, e.g. `pip install 'clops[cpu]'`)")
+    devices = found_devices()
     if selector:
         sel = selector.strip()
         if ":" in sel and all(part.strip().isdigit() for part in sel.split(":", 1)):
@@ -122,11 +151,11 @@ def select_device(selector=None):
             for pi, di, _, dev in devices:
                 if (pi, di) == (p, d):
                     return dev, f"CLOPS_DEVICE={selector!r} names platform {p}, device {d}"
-            raise ValueError(f"CLOPS_DEVICE={selector!r}: no platform {p} device {d}")
+            raise DeviceError(f"CLOPS_DEVICE={selector!r}: no platform {p} device {d}; {_choices(devices)}")
         for _, _, plat, dev in devices:
             if sel.lower() in plat.name.lower() or sel.lower() in dev.name.lower():
                 return dev, f"CLOPS_DEVICE={selector!r} matches {plat.name.strip()} / {dev.name.strip()}"
-        raise ValueError(f"CLOPS_DEVICE={selector!r} matches no platform or device name")
+        raise DeviceError(f"CLOPS_DEVICE={selector!r} matches no platform or device name; {_choices(devices)}")
     _, _, plat, dev = min(devices, key=lambda t: (_type_rank(t[3]), t[0], t[1]))
     kind = device_kind(dev)
     return dev, f"no selector: first {kind} device (GPUs are preferred over CPUs)"
@@ -137,6 +166,7 @@ def default_context():
     with _choice_lock:
         if "context" not in _default:
             if os.environ.get("PYOPENCL_CTX") and not os.environ.get("CLOPS_DEVICE"):
+                found_devices()
                 ctx = cl.create_some_context(interactive=False)
                 reason = f"PYOPENCL_CTX={os.environ['PYOPENCL_CTX']!r}"
             else:

@@ -440,9 +440,33 @@ def best_result(results):
     return min((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"], default=None)
 
 
+def _names(head, results):
+    """The parameter names of the results (derived ones included), in order."""
+    return list(dict.fromkeys(k for r in results for k in r["params"])) or head["params"]
+
+
+def current_params(head, results, current):
+    """The parameters the op used without an override (read from its launches): ``current``'s configuration."""
+    names = _names(head, results)
+    return {k: v for used in current.get("used", {}).values() for k, v in used.items() if k in names}
+
+
+def comparison(head, results, current):
+    """The sweep's last line: its fastest correct configuration against the op's current one."""
+    params = _fmt(current_params(head, results, current))
+    now = f"current configuration{' ' + params if params else ''}: {_outcome(current)}"
+    best = best_result(results)
+    if best is None:
+        return f"no correct configuration in the sweep; {now}"
+    line = f"best swept {_fmt(best['params'])}: {best['ms']:.4f} ms; {now}"
+    if current["status"] == "ok" and current["ms"] > 0:
+        line += f"; the best takes {best['ms'] / current['ms']:.2f}× the current's time"
+    return line
+
+
 def table(head, results, top=20):
     """The results as text: the fastest ``top`` correct ones, then every wrong or failed one with its reason."""
-    names = list(dict.fromkeys(k for r in results for k in r["params"])) or head["params"]
+    names = _names(head, results)
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"])
     unit = next((u for u in ("GB/s", "TFLOP/s") if ok and u in ok[0]), "")
     cols = "".join(f"{n:>6}" for n in names)
@@ -462,8 +486,10 @@ def table(head, results, top=20):
     return "\n".join(lines)
 
 
-def plot(head, results, path):
-    """A PNG of time per configuration in sweep order, the best marked; False (and why) without matplotlib."""
+def plot(head, results, path, current=None):
+    """A PNG of time per configuration in sweep order: each bar the median, labelled with its parameters,
+    with the spread (min to max) of its runs; the best in red, the current configuration a dashed line.
+    False (and why) without matplotlib."""
     try:
         import matplotlib
 
@@ -475,12 +501,23 @@ def plot(head, results, path):
     if not ok:
         return False, "--plot: no correct configuration to draw"
     best = best_result(results)
-    fig, ax = plt.subplots(figsize=(max(6, 0.12 * len(ok)), 4))
-    ax.bar(range(len(ok)), [r["ms"] for r in ok], color=["tab:red" if r is best else "tab:blue" for r in ok])
-    ax.set_xlabel("configuration (sweep order)")
+    names = _names(head, results)
+    x = list(range(len(ok)))
+    ms = [r["ms"] for r in ok]
+    fig, ax = plt.subplots(figsize=(max(6, 0.12 * len(ok)), 5))
+    ax.bar(x, ms, color=["tab:red" if r is best else "tab:blue" for r in ok])
+    ax.errorbar(x, ms, yerr=[[r["ms"] - min(r["times_ms"]) for r in ok], [max(r["times_ms"]) - r["ms"] for r in ok]],
+                fmt="none", ecolor="black", elinewidth=0.6, capsize=1, label="min to max of the timed runs")
+    if current is not None and current["status"] == "ok":
+        ax.axhline(current["ms"], color="tab:green", linestyle="--", linewidth=1,
+                   label=f"current {_fmt(current_params(head, results, current))}: {current['ms']:.4f} ms")
+    ax.set_xticks(x)
+    ax.set_xticklabels([",".join(str(r["params"].get(n, "")) for n in names) for r in ok], rotation=90, fontsize=6)
+    ax.set_xlabel(f"configuration ({','.join(names)}), in sweep order")
     ax.set_ylabel("ms (median)")
-    ax.set_title(f"{head['op']} {tuning.shape_key(head['shape_class'])} on {head['device']['name']}: "
+    ax.set_title(f"{head['op']} {tuning.shape_key(head['shape_class'])} on {head['device']['name']}\n"
                  f"best {_fmt(best['params'])}, {best['ms']:.4f} ms", fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -542,9 +579,11 @@ def main(argv=None, queue=None):
     p.add_argument("--plot", metavar="PNG", help="save a chart of the sweep (needs matplotlib)")
     p.add_argument("--save", action="store_true", help="write the best configuration to the user tuning database")
     a = p.parse_args(argv)
-    if a.list or not a.op:
+    if a.list:
         _list_families()
-        return 0 if a.list else 2
+        return 0
+    if not a.op:
+        p.error(f"name the op to tune: one of {', '.join(FAMILIES)} (--list shows their parameters)")
     fam = FAMILIES.get(a.op)
     if fam is None:
         print(f"unknown op {a.op!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)
@@ -576,9 +615,10 @@ def main(argv=None, queue=None):
         print(f"clops tune: {e}", file=sys.stderr)
         return 2
     print(table(head, results, a.top))
+    print(comparison(head, results, current))
     best = best_result(results)
     if a.plot:
-        print(plot(head, results, a.plot)[1])
+        print(plot(head, results, a.plot, current)[1])
     if a.save:
         if best is None:
             print("--save: no correct configuration, nothing saved")

@@ -66,9 +66,12 @@ def shape_key(shape_class):
 
 
 def user_dir():
+    """The folder of the user tuning files: ``CLOPS_TUNING_DIR``, else ``tuning`` in the user config dir."""
+    if os.environ.get("CLOPS_TUNING_DIR"):
+        return Path(os.environ["CLOPS_TUNING_DIR"])
     import platformdirs
 
-    return Path(os.environ.get("CLOPS_TUNING_DIR") or platformdirs.user_config_dir("clops")) / "tuning"
+    return Path(platformdirs.user_config_dir("clops")) / "tuning"
 
 
 def user_file(dev):

@@ -105,14 +105,14 @@ def test_device_selector(selector):
         dev, reason = runtime.select_device(selector)
         assert selector in reason and dev is not None
     else:
-        with pytest.raises(ValueError, match="CLOPS_DEVICE"):
+        with pytest.raises(runtime.DeviceError, match="CLOPS_DEVICE"):
             runtime.select_device(selector)
 
 
 def test_device_selector_rejects_unknown():
-    with pytest.raises(ValueError, match="matches no platform"):
+    with pytest.raises(runtime.DeviceError, match="matches no platform"):
         runtime.select_device("no-such-device-anywhere")
-    with pytest.raises(ValueError, match="no platform 99"):
+    with pytest.raises(runtime.DeviceError, match="no platform 99"):
         runtime.select_device("99:0")
 
 
