@@ -102,10 +102,9 @@ def check_allocator(allocator):
                         f"got {type(allocator).__name__}")
 
 
-def new_array(queue, shape, allocator):
-    """A new float32 array of ``shape`` from ``allocator`` (or the context's pool), its buffer checked."""
+def _buffer(queue, nbytes, allocator):
+    """(a buffer of at least ``nbytes`` from ``allocator`` or the context's pool, the allocator used)."""
     alloc = memory_pool(queue) if allocator is None else allocator
-    nbytes = 4 * int(np.prod(shape))
     buf = alloc(nbytes)
     if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
         got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
@@ -113,6 +112,12 @@ def new_array(queue, shape, allocator):
     if host_observers:
         note(queue, "buffers")
         note(queue, "buffer_bytes", nbytes)
+    return buf, alloc
+
+
+def new_array(queue, shape, allocator):
+    """A new float32 array of ``shape`` from ``allocator`` (or the context's pool), its buffer checked."""
+    buf, alloc = _buffer(queue, 4 * int(np.prod(shape)), allocator)
     return cla.Array(queue, tuple(shape), np.float32, allocator=alloc, data=buf)
 
 
@@ -131,11 +136,12 @@ def outputs(queue, allocator, given, inputs, in_place=()):
     return [arr if arr is not None else new_array(queue, shape, allocator) for _, arr, shape in given]
 
 
-def scratch(queue, shape, allocator):
-    """A scratch array (pass it to :func:`hold` with the op's other arrays); what completed is
-    released first, so a loop of one op reuses its scratch at once."""
+def scratch(queue, floats, allocator):
+    """A scratch buffer of ``floats`` float32s (a buffer, not an array: kernels take buffers; pass it
+    to :func:`hold` with the op's arrays). What completed is released first, so a loop of one op
+    reuses its scratch at once."""
     _release_completed()
-    return new_array(queue, shape, allocator)
+    return _buffer(queue, 4 * floats, allocator)[0]
 
 
 def hold(evts, *arrays):

@@ -363,21 +363,21 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds))
     pq, q_knl = BWD[qkind].kernels(queue, sc, idx=idx)
     q_knl = q_knl["attn_bwd_" + qkind]
-    dsum = scratch(queue, (n, nh), allocator)  # D = Σ dO·O
-    stored = [scratch(queue, (floats,), allocator)] if store_ds else []  # dS
+    dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
+    stored = [scratch(queue, floats, allocator)] if store_ds else []  # dS
     rows = n * nh
     e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // pk["lanes"])),),
-                                    [o.data, do.data, dsum.data, np.uint32(rows)],
+                                    [o.data, do.data, dsum, np.uint32(rows)],
                                     wait_for=events(wait_for, o, do))
     geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
     coefs = [np.float32(scale * LOG2E), np.float32(scale)]
-    ins = [q.data, k.data, v.data, do.data, lse.data, dsum.data]
+    ins = [q.data, k.data, v.data, do.data, lse.data, dsum]
     e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,),
-                                  ins + [dk.data, dv.data] + [ds.data for ds in stored] + geom + coefs,
+                                  ins + [dk.data, dv.data] + stored + geom + coefs,
                                   wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv))
     q_groups = (-(-window // pq["bq"]) * windows * nh,)
     if store_ds:
-        e_q = q_knl(queue, q_groups, [k.data, stored[0].data, dq.data] + geom, wait_for=[e_kv] + events(None, dq))
+        e_q = q_knl(queue, q_groups, [k.data, stored[0], dq.data] + geom, wait_for=[e_kv] + events(None, dq))
     else:
         e_q = q_knl(queue, q_groups, ins + [dq.data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
     # on an out-of-order queue dQ (recomputed) may finish before dK/dV: both are waited for

@@ -143,15 +143,14 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
     return wrote([evt], dx)[0]
 
 
-def column_sum(queue, partial, dw, accumulate, wait_for=None):
-    """Enqueue ``dw (+)= Σ_rows partial [rows, cols]`` in row order; returns the event."""
-    rows, cols = partial.shape
+def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None):
+    """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in row order; returns the event."""
     sc = {"d": cols}
     p = DW.params(queue.device, sc)
     _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]))
     return knl["column_sum"](queue, (-(-cols // p["wg"]),),
-                             [dw.data, partial.data, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
-                             wait_for=events(wait_for, partial, dw))
+                             [dw.data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
+                             wait_for=events(wait_for, dw))
 
 
 def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
@@ -167,11 +166,11 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
     _, knl = DW.kernels(queue, sc, idx=idx)
     blocks = -(-n // p["rb"])
-    partial = scratch(queue, (blocks, d), allocator)  # per-block column sums
+    partial = scratch(queue, blocks * d, allocator)  # per-block column sums
     dv = d // p["vw"]
     evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),
-                                     [partial.data, x.data, inv.data, dy.data, index_scalar(idx)(n), np.uint32(dv)],
+                                     [partial, x.data, inv.data, dy.data, index_scalar(idx)(n), np.uint32(dv)],
                                      wait_for=events(wait_for, x, inv, dy))
-    done = column_sum(queue, partial, dw, accumulate, wait_for=[evt])
+    done = column_sum(queue, partial, blocks, d, dw, accumulate, wait_for=[evt])
     hold([done], partial, dw, x, inv, dy)
     return wrote([evt, done], dw)[0]  # both stages' events: the profile of dw covers its two kernels

@@ -148,11 +148,11 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
                      [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)])
     p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half)
     blocks = -(-int(units) // p["rb"])
-    partial = scratch(queue, (blocks, hd), allocator)  # per-block column sums
-    args = [dx.data, partial.data, x.data, w.data, inv.data] + ([rope.data] if half else [])
+    partial = scratch(queue, blocks * hd, allocator)  # per-block column sums
+    args = [dx.data, partial, x.data, w.data, inv.data] + ([rope.data] if half else [])
     args += [dy.data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
     evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
-    done = column_sum(queue, partial, dw, accumulate, wait_for=[evt])
+    done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt])
     hold([done], partial, dx, dw, x, w, inv, rope, dy)
     wrote([evt], dx)
     wrote([evt, done], dw)  # both stages' events: the profile of dw covers its two kernels
