@@ -45,20 +45,20 @@ def check_queue(queue):
         raise TypeError(f"queue: expected a pyopencl.CommandQueue, got {type(queue).__name__}")
 
 
-_F32 = np.dtype(np.float32)
+_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 
 
-def check_array(name, arr, queue, shape=None, ndim=None):
-    """Require a C-contiguous float32 ``pyopencl.array.Array`` on ``queue``'s context, zero offset
-    (of ``shape``, a tuple, or of ``ndim`` dimensions, when given)."""
-    if (type(arr) is cla.Array and arr.dtype == _F32 and arr.offset == 0 and arr.size
+def check_array(name, arr, queue, shape=None, ndim=None, dtype=_F32):
+    """Require a C-contiguous ``pyopencl.array.Array`` of ``dtype`` (float32 unless told) on ``queue``'s
+    context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions, when given)."""
+    if (type(arr) is cla.Array and arr.dtype == dtype and arr.offset == 0 and arr.size
             and (shape is None or arr.shape == shape) and (ndim is None or arr.ndim == ndim)
             and arr.flags.c_contiguous and arr.context == queue.context):
         return arr  # the common case, in one test; the checks below say what is wrong
     if not isinstance(arr, cla.Array):
         raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")
-    if arr.dtype != np.float32:
-        raise TypeError(f"{name}: dtype must be float32, got {arr.dtype}")
+    if arr.dtype != dtype:
+        raise TypeError(f"{name}: dtype must be {dtype}, got {arr.dtype}")
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
     if shape is not None and tuple(arr.shape) != tuple(shape):
@@ -119,6 +119,33 @@ def new_array(queue, shape, allocator):
     """A new float32 array of ``shape`` from ``allocator`` (or the context's pool), its buffer checked."""
     buf, alloc = _buffer(queue, 4 * int(np.prod(shape)), allocator)
     return cla.Array(queue, tuple(shape), np.float32, allocator=alloc, data=buf)
+
+
+def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
+    """An int32 device array of ``shape``: ``arr`` itself when it is one (its values are the kernels'
+    to check), or ``arr`` a numpy array whose values are checked here (each in ``[0, below)`` or
+    equal to ``also``) and copied to the device without waiting (a copy of it is held until then)."""
+    if not isinstance(arr, np.ndarray):
+        return check_array(name, arr, queue, shape=shape, dtype=_I32)
+    check_allocator(allocator)
+    if arr.dtype != _I32:
+        raise TypeError(f"{name}: dtype must be int32, got {arr.dtype}")
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
+    bad = (arr < 0) | (arr >= below)
+    if also is not None:
+        bad &= arr != also
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}: {int(arr.flat[i])} at index {i} is outside [0, {below})"
+                         + (f" and is not {also}" if also is not None else ""))
+    host = np.ascontiguousarray(arr).copy()  # the caller may change arr before the copy runs
+    buf, alloc = _buffer(queue, host.nbytes, allocator)
+    dev = cla.Array(queue, host.shape, _I32, allocator=alloc, data=buf)
+    evt = cl.enqueue_copy(queue, buf, host, is_blocking=False)
+    hold([evt], host)
+    dev.events = [evt]
+    return dev
 
 
 def outputs(queue, allocator, given, inputs, in_place=()):

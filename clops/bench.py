@@ -169,6 +169,36 @@ def _qk(backward, n, window, heads, hd):
     return setup
 
 
+def _xent(backward, n, vocab):
+    """cross_entropy (bytes: logits read, loss and lse written) or its backward (logits read,
+    dlogits written in place, as a training step does)."""
+
+    def setup(queue, data):
+        x = data.get((n, vocab), 1, 8.0)
+        t = cla.to_device(queue, np.random.default_rng(2).integers(0, vocab, n).astype(np.int32))
+        loss, lse = clops.cross_entropy(queue, x, t, allocator=data.pool)
+        if not backward:
+            return lambda: clops.cross_entropy(queue, x, t, allocator=data.pool), _nbytes([x, t, loss, lse])
+        dloss = data.get((n,), 3)
+        return (lambda: clops.cross_entropy_bwd(queue, x, t, lse, dloss, dlogits=x),
+                _nbytes([x, t, lse, dloss, x]))
+
+    return setup
+
+
+def _peer_xent(n, vocab, backward):
+    def make(torch):
+        x = _t_rand(torch, (n, vocab), 1) * 8
+        t = torch.randint(0, vocab, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+        if not backward:
+            return lambda: torch.nn.functional.cross_entropy(x, t, reduction="none")
+        x.requires_grad_(True)
+        dloss = _t_rand(torch, (n,), 3)
+        return lambda: torch.autograd.grad(torch.nn.functional.cross_entropy(x, t, reduction="none"), x, dloss)
+
+    return make
+
+
 def _attention(backward, windows, window, nh, nkv, hd):
     def setup(queue, data):
         n = windows * window
@@ -264,6 +294,12 @@ def benches(small):
         Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5), dc])),
         Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
     ]
+    vocab = 5000 if small else 50257
+    rows_v = f"[{n}, {vocab}]"
+    out += [Bench("cross_entropy", rows_v, "GB/s", _xent(False, n, vocab),
+                  (("F.cross_entropy", _peer_xent(n, vocab, False)),)),
+            Bench("cross_entropy_bwd", rows_v, "GB/s", _xent(True, n, vocab),
+                  (("F.cross_entropy fwd+bwd", _peer_xent(n, vocab, True)),))]
     shapes = ATTENTION_SMALL if small else ATTENTION
     for name, (windows, window, nh, nkv, hd) in shapes.items():
         tok = windows * window

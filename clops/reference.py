@@ -206,3 +206,35 @@ def rel_err(got, want):
     """Relative L2 error ‖got − want‖ / ‖want‖ in float64."""
     got, want = _f64(got, want)
     return float(np.sqrt(np.sum((got - want) ** 2) / max(np.sum(want * want), 1e-30)))
+
+
+def _capped(logits, softcap):
+    z = logits.astype(np.float64)
+    return z if softcap is None else softcap * np.tanh(z / softcap)
+
+
+def cross_entropy(logits, targets, ignore_index=-100, label_smoothing=0.0, softcap=None):
+    """(loss, lse) per row, torch.nn.functional.cross_entropy's definition without reduction; a target
+    outside [0, vocab) other than ignore_index gives NaN."""
+    z = _capped(logits, softcap)
+    m = z.max(1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(1))
+    valid = (targets >= 0) & (targets < z.shape[1])
+    picked = z[np.arange(len(z)), np.where(valid, targets, 0)]
+    e = label_smoothing
+    loss = np.where(valid, (1 - e) * (lse - picked) + e * (lse - z.mean(1)), np.nan)
+    return np.where(targets == ignore_index, 0.0, loss), lse
+
+
+def cross_entropy_bwd(logits, targets, lse, dloss, ignore_index=-100, label_smoothing=0.0, softcap=None):
+    """dlogits of :func:`cross_entropy` given dloss; 0 on ignored and out-of-range rows."""
+    z = _capped(logits, softcap)
+    n, vocab = z.shape
+    valid = (targets != ignore_index) & (targets >= 0) & (targets < vocab)
+    d = np.exp(z - np.asarray(lse, np.float64)[:, None]) - label_smoothing / vocab
+    rows = np.flatnonzero(valid)
+    d[rows, targets[rows]] -= 1 - label_smoothing
+    if softcap is not None:
+        d *= 1 - (z / softcap) ** 2
+    return d * np.where(valid, dloss, 0.0)[:, None]
+

@@ -1,0 +1,96 @@
+"""Cross-entropy over a vocabulary: per-row loss and log-sum-exp, and the logits' gradient.
+Template: ``cross_entropy.cl.mako``.
+
+``logits [n, vocab]`` float32, ``targets [n]`` int32 (a device array, or a numpy array that is
+checked on the host and copied without waiting); ``loss`` and ``lse`` float32 ``[n]``. One pass
+over each row (an online max and sum), any vocab size. ``label_smoothing`` as
+``torch.nn.functional.cross_entropy`` defines it; ``softcap=c`` replaces each logit x by
+``c·tanh(x/c)`` first. Rows whose target is ``ignore_index`` have loss 0 and gradient 0 (lse
+is still theirs); a target outside ``[0, vocab)`` from the host is refused, from the device
+gives that row loss NaN and gradient 0. No reduction: the caller sums or averages ``loss``
+(and scales ``dloss`` to match).
+
+Tuning: op ``"cross_entropy"``, shape class ``{}``, parameter ``wg``, work-items per row.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+
+from .args import check_array, check_queue, events, finite_float, hold, index_array, index_type, outputs, wrote
+from .spec import Spec
+
+
+def heuristic(dev, sc):
+    return {"wg": int(min(256 if dev.type & cl.device_type.GPU else 64, dev.max_work_group_size))}
+
+
+SPEC = Spec("cross_entropy", "cross_entropy.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512, 1024]},
+            heuristic, local_bytes=lambda p, sc: 12 * p["wg"], render=lambda p, sc: dict(p),
+            doc="cross_entropy and cross_entropy_bwd: wg work-items per row")
+
+
+def _scalars(ignore_index, label_smoothing, softcap):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if not -2**31 <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index: must fit int32, got {ignore_index}")
+    smoothing = finite_float("label_smoothing", label_smoothing)
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing: must be in [0, 1], got {smoothing}")
+    cap = 0.0 if softcap is None else finite_float("softcap", softcap)
+    if softcap is not None and cap <= 0:
+        raise ValueError(f"softcap: must be positive, got {cap}")
+    return int(ignore_index), smoothing, cap
+
+
+def _geometry(queue, logits, targets, ignore_index, allocator):
+    check_queue(queue)
+    check_array("logits", logits, queue, ndim=2)
+    n, vocab = logits.shape
+    if vocab >= 2**31:
+        raise ValueError(f"logits: a vocab of {vocab} does not fit the int32 targets")
+    targets = index_array("targets", targets, queue, (n,), below=vocab, also=ignore_index, allocator=allocator)
+    return n, vocab, targets
+
+
+def _kernel(queue, name, n, vocab, cap):
+    _, knl = SPEC.kernels(queue, {}, cap=int(cap > 0), idx=index_type(n * vocab))
+    return knl[name]
+
+
+def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=0.0, softcap=None, loss=None,
+                  lse=None, wait_for=None, allocator=None):
+    """``(loss [n], lse [n])`` of ``logits [n, vocab]`` against ``targets [n]`` (see the module docstring)."""
+    ignore_index, smoothing, cap = _scalars(ignore_index, label_smoothing, softcap)
+    n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
+    loss, lse = outputs(queue, allocator, [("loss", loss, (n,)), ("lse", lse, (n,))],
+                        [("logits", logits), ("targets", targets)])
+    knl = _kernel(queue, "cross_entropy_fwd", n, vocab, cap)
+    evt = knl(queue, (n,), [loss.data, lse.data, logits.data, targets.data, np.uint32(vocab), np.int32(ignore_index),
+                            np.float32(smoothing), np.float32(cap)],
+              wait_for=events(wait_for, loss, lse, logits, targets))
+    hold([evt], loss, lse, logits, targets)
+    return wrote([evt], loss, lse)
+
+
+def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                      dlogits=None, wait_for=None, allocator=None):
+    """``dlogits [n, vocab]``: the gradient of ``loss`` (given ``dloss [n]``) with respect to the logits.
+
+    ``dlogits=logits`` is allowed: the gradient overwrites the logits (no second copy of them).
+    """
+    ignore_index, smoothing, cap = _scalars(ignore_index, label_smoothing, softcap)
+    n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
+    check_array("lse", lse, queue, shape=(n,))
+    check_array("dloss", dloss, queue, shape=(n,))
+    (dlogits,) = outputs(queue, allocator, [("dlogits", dlogits, (n, vocab))],
+                         [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
+                         in_place=("logits",))
+    knl = _kernel(queue, "cross_entropy_bwd", n, vocab, cap)
+    evt = knl(queue, (n,), [dlogits.data, logits.data, targets.data, lse.data, dloss.data, np.uint32(vocab),
+                            np.int32(ignore_index), np.float32(smoothing), np.float32(cap)],
+              wait_for=events(wait_for, dlogits, logits, targets, lse, dloss))
+    hold([evt], dlogits, logits, targets, lse, dloss)
+    return wrote([evt], dlogits)[0]
+

@@ -1,0 +1,86 @@
+"""cross_entropy / cross_entropy_bwd against the float64 reference (torch's definition, no
+reduction): vocab sizes up to Qwen's, label smoothing, softcap, ignored and out-of-range
+targets, in place, determinism, refusals."""
+import numpy as np
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import reference as ref
+from clops.reference import rel_err, rnd
+from helpers import to_device
+
+IGNORE = -100
+
+
+def _targets(n, vocab, seed):
+    t = np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+    t[1] = IGNORE  # one ignored row
+    return t
+
+
+@pytest.mark.parametrize("n, vocab, smoothing, softcap, scale", [
+    (5, 1, 0.0, None, 1.0), (7, 37, 0.1, None, 4.0), (6, 50257, 0.0, None, 8.0), (4, 151936, 0.1, 30.0, 8.0),
+    (6, 1000, 0.0, 15.0, 100.0), (3, 300, 0.0, None, 1e4),  # large logits: the online max keeps exp in range
+], ids=lambda v: str(v))
+def test_parity(queue, n, vocab, smoothing, softcap, scale):
+    x = rnd((n, vocab), 1, scale)
+    t = _targets(n, vocab, 2)
+    dloss = rnd(n, 3, 1.0)
+    kw = dict(ignore_index=IGNORE, label_smoothing=smoothing, softcap=softcap)
+    dx, ddl = to_device(queue, x, dloss)
+    loss, lse = clops.cross_entropy(queue, dx, t, **kw)
+    want_loss, want_lse = ref.cross_entropy(x, t, **kw)
+    assert rel_err(lse.get(), want_lse) <= 1e-6
+    assert rel_err(loss.get(), want_loss) <= 1e-6 and loss.get()[1] == 0.0
+    grad = clops.cross_entropy_bwd(queue, dx, t, lse, ddl, **kw)
+    want = ref.cross_entropy_bwd(x, t, lse.get(), dloss, **kw)
+    assert rel_err(grad.get(), want) <= 1e-5 and not grad.get()[1].any()
+
+
+def test_in_place_and_deterministic(queue):
+    x = rnd((5, 3000), 4, 6.0)
+    t, dloss = _targets(5, 3000, 5), rnd(5, 6)
+    dx, ddl = to_device(queue, x, dloss)
+    loss, lse = clops.cross_entropy(queue, dx, t, softcap=20.0)
+    again, _ = clops.cross_entropy(queue, dx, t, softcap=20.0)
+    assert loss.get().tobytes() == again.get().tobytes()
+    apart = clops.cross_entropy_bwd(queue, dx, t, lse, ddl, softcap=20.0).get()
+    assert clops.cross_entropy_bwd(queue, dx, t, lse, ddl, softcap=20.0, dlogits=dx) is dx
+    assert dx.get().tobytes() == apart.tobytes()  # the logits were overwritten with the same bits
+
+
+def test_device_targets_out_of_range_give_nan_loss_and_zero_gradient(queue):
+    x = rnd((4, 50), 7, 2.0)
+    t = np.array([3, 50, -7, IGNORE], np.int32)
+    dx, dt, ddl = to_device(queue, x, t, np.ones(4, np.float32))
+    loss, lse = clops.cross_entropy(queue, dx, dt)
+    got = loss.get()
+    assert np.isfinite(got[0]) and np.isnan(got[1]) and np.isnan(got[2]) and got[3] == 0.0
+    assert rel_err(lse.get(), ref.cross_entropy(x, t)[1]) <= 1e-6
+    grad = clops.cross_entropy_bwd(queue, dx, dt, lse, ddl).get()
+    assert grad[0].any() and not grad[1:].any()
+
+
+def test_refusals(queue):
+    x, = to_device(queue, rnd((3, 10), 8))
+    lse, dl = to_device(queue, rnd(3, 9), rnd(3, 10))
+    ok = np.array([1, 2, 3], np.int32)
+    one, = to_device(queue, rnd((3, 1), 11))  # a vocab of 1
+    cases = [
+        (ValueError, "targets: 10 at index 1 is outside \\[0, 10\\) and is not -100",
+         lambda: clops.cross_entropy(queue, x, np.array([1, 10, 2], np.int32))),
+        (TypeError, "targets: dtype must be int32", lambda: clops.cross_entropy(queue, x, ok.astype(np.int64))),
+        (ValueError, "targets: expected shape", lambda: clops.cross_entropy(queue, x, ok[:2])),
+        (TypeError, "targets: dtype must be int32",
+         lambda: clops.cross_entropy(queue, x, cla.to_device(queue, ok.astype(np.float32)))),
+        (ValueError, "label_smoothing", lambda: clops.cross_entropy(queue, x, ok, label_smoothing=1.5)),
+        (ValueError, "softcap", lambda: clops.cross_entropy(queue, x, ok, softcap=0.0)),
+        (TypeError, "ignore_index", lambda: clops.cross_entropy(queue, x, ok, ignore_index=True)),
+        (TypeError, "logits: dtype", lambda: clops.cross_entropy(queue, cla.to_device(queue, np.zeros((3, 10))), ok)),
+        (ValueError, "dlogits: shares memory with lse",
+         lambda: clops.cross_entropy_bwd(queue, one, ok * 0, lse, dl, dlogits=lse.reshape(3, 1))),
+    ]
+    for exc, word, call in cases:
+        with pytest.raises(exc, match=word):
+            call()
