@@ -186,6 +186,27 @@ def _xent(backward, n, vocab):
     return setup
 
 
+def _adamw(shape):
+    """adamw: reads p, g, m, v and writes p, m, v."""
+
+    def setup(queue, data):
+        p, g, m, v = data.get(*shape), data.get(shape[0], 2), data.get(shape[0], 3, 0.1), data.get(shape[0], 4, 0.1)
+        v = abs(v)
+        return (lambda: clops.adamw(queue, p, g, m, v, lr=1e-4, step=1, weight_decay=0.1)), 7 * p.nbytes
+
+    return setup
+
+
+def _peer_adamw(n):
+    def make(torch):
+        p = torch.nn.Parameter(_t_rand(torch, (n,), 1))
+        p.grad = _t_rand(torch, (n,), 2)
+        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+        return opt.step
+
+    return make
+
+
 def _peer_xent(n, vocab, backward):
     def make(torch):
         x = _t_rand(torch, (n, vocab), 1) * 8
@@ -294,6 +315,8 @@ def benches(small):
         Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5), dc])),
         Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
     ]
+    params = ((n * d,), 1, 1.0)
+    out.append(Bench("adamw", f"[{n * d}]", "GB/s", _adamw(params), (("torch.optim.AdamW (fused)", _peer_adamw(n * d)),)))
     vocab = 5000 if small else 50257
     rows_v = f"[{n}, {vocab}]"
     out += [Bench("cross_entropy", rows_v, "GB/s", _xent(False, n, vocab),

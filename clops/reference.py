@@ -238,3 +238,13 @@ def cross_entropy_bwd(logits, targets, lse, dloss, ignore_index=-100, label_smoo
         d *= 1 - (z / softcap) ** 2
     return d * np.where(valid, dloss, 0.0)[:, None]
 
+
+def adamw(p, g, m, v, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+    """(p, m, v) after one torch.optim.AdamW step, in float64."""
+    p, g, m, v = (np.asarray(a, np.float64) for a in (p, g, m, v))
+    p = p * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - lr / (1 - beta1 ** step) * m / (np.sqrt(v) / np.sqrt(1 - beta2 ** step) + eps)
+    return p, m, v
+

@@ -199,8 +199,26 @@ def run_cross_entropy(queue):
     tuning.override("cross_entropy", {}, None)
 
 
+def run_adamw(queue):
+    import pyopencl.array as cla
+
+    import clops
+    from clops import reference as ref, tuning
+    from clops.reference import rnd
+
+    p, g, m, v = rnd(37, 1), rnd(37, 2), rnd(37, 3, 0.1), abs(rnd(37, 4, 0.1))
+    for params in _tiles({"wg": 4, "vw": 4, "ept": 2}, {"wg": 8, "vw": 1, "ept": 3}, None):  # 37: tails
+        tuning.override("adamw", {}, params)
+        dp, dg, dm, dv = (cla.to_device(queue, a) for a in (p, g, m, v))
+        for got, want in zip(clops.adamw(queue, dp, dg, dm, dv, lr=0.01, step=3, weight_decay=0.1),
+                             ref.adamw(p, g, m, v, lr=0.01, step=3, weight_decay=0.1)):
+            _expect("adamw", got, want, 1e-6)
+    tuning.override("adamw", {}, None)
+
+
 # family: (runner, the templates whose every kernel the runner must launch)
 FAMILIES = {
+    "adamw": (run_adamw, ["adamw.cl.mako"]),
     "cross_entropy": (run_cross_entropy, ["cross_entropy.cl.mako"]),
     "elementwise": (run_elementwise, ["elementwise.cl.mako"]),
     "norm": (run_norm, ["rms_norm.cl.mako"]),
