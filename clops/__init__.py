@@ -15,6 +15,7 @@ from .qk_rope import qk_norm_rope, qk_norm_rope_bwd  # noqa: E402
 from .reference import rope_table  # noqa: E402  (a host helper: the reference's own function)
 from .loss import cross_entropy, cross_entropy_bwd  # noqa: E402
 from .optim import adamw  # noqa: E402
+from .embed import embedding, embedding_bwd  # noqa: E402
 from .elementwise import (  # noqa: E402
     add,
     sigmoid_gate,
@@ -31,5 +32,5 @@ __all__ = [
     "attention", "attention_bwd",
     "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope", "qk_norm_rope_bwd", "rope_table",
     "add", "sigmoid_gate", "sigmoid_gate_bwd", "swiglu", "swiglu_bwd", "swiglu_gated", "swiglu_gated_bwd",
-    "swiglu_limit", "cross_entropy", "cross_entropy_bwd", "adamw",
+    "swiglu_limit", "cross_entropy", "cross_entropy_bwd", "adamw", "embedding", "embedding_bwd",
 ]

@@ -186,6 +186,22 @@ def _xent(backward, n, vocab):
     return setup
 
 
+def _embedding(backward, n, vocab, d):
+    """embedding: ids read, n rows of the table read, out written; embedding_bwd: ids and dout read,
+    the whole dtable written."""
+
+    def setup(queue, data):
+        ids = cla.to_device(queue, np.random.default_rng(5).integers(0, vocab, n).astype(np.int32))
+        if not backward:
+            table = data.get((vocab, d), 1)
+            return lambda: clops.embedding(queue, table, ids, allocator=data.pool), ids.nbytes + 2 * 4 * n * d
+        dout = data.get((n, d), 2)
+        return (lambda: clops.embedding_bwd(queue, ids, dout, vocab=vocab, allocator=data.pool),
+                ids.nbytes + 4 * n * d + 4 * vocab * d)
+
+    return setup
+
+
 def _adamw(shape):
     """adamw: reads p, g, m, v and writes p, m, v."""
 
@@ -318,6 +334,8 @@ def benches(small):
     params = ((n * d,), 1, 1.0)
     out.append(Bench("adamw", f"[{n * d}]", "GB/s", _adamw(params), (("torch.optim.AdamW (fused)", _peer_adamw(n * d)),)))
     vocab = 5000 if small else 50257
+    out += [Bench("embedding", f"[{n}, {d}] of [{vocab}, {d}]", "GB/s", _embedding(False, n, vocab, d)),
+            Bench("embedding_bwd", f"[{n}, {d}] into [{vocab}, {d}]", "GB/s", _embedding(True, n, vocab, d))]
     rows_v = f"[{n}, {vocab}]"
     out += [Bench("cross_entropy", rows_v, "GB/s", _xent(False, n, vocab),
                   (("F.cross_entropy", _peer_xent(n, vocab, False)),)),

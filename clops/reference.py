@@ -248,3 +248,19 @@ def adamw(p, g, m, v, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
     p = p - lr / (1 - beta1 ** step) * m / (np.sqrt(v) / np.sqrt(1 - beta2 ** step) + eps)
     return p, m, v
 
+
+def embedding(table, ids):
+    """table rows by id; zeros for ids outside [0, vocab)."""
+    valid = (ids >= 0) & (ids < len(table))
+    out = np.zeros((len(ids), table.shape[1]))
+    out[valid] = table[ids[valid]]
+    return out
+
+
+def embedding_bwd(ids, dout, vocab):
+    """dtable [vocab, d]: the dout rows summed by id (ids outside [0, vocab) dropped), in float64."""
+    valid = (ids >= 0) & (ids < vocab)
+    dtable = np.zeros((vocab, dout.shape[1]))
+    np.add.at(dtable, ids[valid], dout[valid].astype(np.float64))
+    return dtable
+

@@ -11,7 +11,7 @@ import pyopencl.tools as cl_tools
 import pytest
 
 import clops
-from clops import args, attn, elementwise, norm, program, qk_rope, tuning
+from clops import args, attn, elementwise, embed, loss, norm, optim, program, qk_rope, tuning
 from clops.reference import rnd
 from helpers import to_device
 
@@ -198,6 +198,9 @@ LOCAL = [
      [{"wg": 16, "split": 1, "bq": 8, "bk": 8, "sq": 2, "sk": 2, "dc": 16, "jc": 4, "tr": 2, "td": 4, "vw": 2}]),
     (attn.BWD["dqs"], {"hd": 16}, {"idx": "uint"}, [{"wg": 8, "bq": 8, "jc": 5, "tr": 4, "td": 4, "vw": 2}]),
     (elementwise.SPEC, {}, {"idx": "uint"}, []),
+    (loss.SPEC, {}, {"idx": "uint", "cap": 1}, [{"wg": 5}]),
+    (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8}]),
+    (optim.SPEC, {}, {"idx": "uint"}, []),
     (norm.DW, {"d": 96}, {"idx": "uint"}, []),
 ]
 

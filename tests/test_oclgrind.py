@@ -216,8 +216,29 @@ def run_adamw(queue):
     tuning.override("adamw", {}, None)
 
 
+def run_embedding(queue):
+    import numpy as np
+    import pyopencl.array as cla
+
+    import clops
+    from clops import reference as ref, tuning
+    from clops.reference import rnd
+
+    table, dout = rnd((9, 5), 1), rnd((21, 5), 2)
+    ids = np.random.default_rng(3).integers(-1, 10, 21).astype(np.int32)  # some out of range
+    t_, d_, i_ = (cla.to_device(queue, a) for a in (table, dout, ids))
+    for params in _tiles({"wg": 4}, None):  # 21 ids, blocks of 8: every kind of sort pass
+        tuning.override("embedding", {}, params)
+        invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
+        _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
+        _expect("embedding_bwd", clops.embedding_bwd(queue, i_, d_, vocab=9, invalid=invalid),
+                ref.embedding_bwd(ids, dout, 9), 1e-6)
+    tuning.override("embedding", {}, None)
+
+
 # family: (runner, the templates whose every kernel the runner must launch)
 FAMILIES = {
+    "embedding": (run_embedding, ["embedding.cl.mako"]),
     "adamw": (run_adamw, ["adamw.cl.mako"]),
     "cross_entropy": (run_cross_entropy, ["cross_entropy.cl.mako"]),
     "elementwise": (run_elementwise, ["elementwise.cl.mako"]),

@@ -1,0 +1,108 @@
+"""Token embedding: ``embedding`` (the lookup) and ``embedding_bwd`` (its gradient, deterministic).
+Template: ``embedding.cl.mako``.
+
+``table [vocab, d]`` float32, ``ids [n]`` int32 (a device array, or a numpy array that is checked
+on the host and copied without waiting), ``out``/``dout [n, d]``. Ids outside ``[0, vocab)`` are
+refused when they come from the host; on the device they read nothing (their output row is
+zeros, their gradient is dropped) and, when an int32 ``[1]`` device array ``invalid=`` is given,
+are counted into it. The gradient sorts the (id, token) pairs on the device (a bitonic sort, no
+float atomics) and adds each vocab row's token rows in token order: the same bits every run.
+
+Tuning: op ``"embedding"``, shape class ``{}``, parameter ``wg``: work-items per group (a power
+of two; the sort works on blocks of ``2·wg`` keys in local memory).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+
+from .args import (_I32, check_array, check_queue, events, hold, index_array, index_type, outputs, positive_int,
+                   scratch, wrote)
+from .spec import Spec
+
+
+def heuristic(dev, sc):
+    return {"wg": int(min(256 if dev.type & cl.device_type.GPU else 64, dev.max_work_group_size))}
+
+
+SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
+            rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
+            local_bytes=lambda p, sc: 16 * p["wg"], render=lambda p, sc: dict(p),
+            doc="embedding and embedding_bwd: wg work-items per group")
+
+
+def _invalid(queue, invalid):
+    if invalid is not None:
+        check_array("invalid", invalid, queue, shape=(1,), dtype=_I32)
+    return invalid
+
+
+def _kernels(queue, invalid, *sizes):
+    p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes))
+    return p["wg"], knl
+
+
+def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, allocator=None):
+    """``out [n, d]``: ``out[i] = table[ids[i]]`` (zeros where the id is out of range, see the module)."""
+    check_queue(queue)
+    check_array("table", table, queue, ndim=2)
+    vocab, d = table.shape
+    if vocab >= 2**31:
+        raise ValueError(f"table: {vocab} rows do not fit the int32 ids")
+    n = ids.shape[0] if hasattr(ids, "shape") and len(ids.shape) == 1 else -1
+    if n < 1:
+        raise ValueError(f"ids: expected a non-empty [n] array, got shape {getattr(ids, 'shape', None)}")
+    ids = index_array("ids", ids, queue, (n,), below=vocab, allocator=allocator)
+    invalid = _invalid(queue, invalid)
+    (out,) = outputs(queue, allocator, [("out", out, (n, d))], [("table", table), ("ids", ids), ("invalid", invalid)])
+    wg, knl = _kernels(queue, invalid, n * d, vocab * d)
+    evt = knl["embedding_fwd"](queue, (n,), [out.data, table.data, ids.data] + ([invalid.data] if invalid is not None else [])
+                               + [np.uint32(vocab), np.uint32(d)], wait_for=events(wait_for, out, table, ids, invalid))
+    hold([evt], out, table, ids, invalid)
+    if invalid is not None:
+        wrote([evt], invalid)
+    return wrote([evt], out)[0]
+
+
+def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_for=None, allocator=None):
+    """``dtable [vocab, d]``: row v is the sum of the ``dout`` rows of the tokens whose id is v, in
+    token order; a given ``dtable`` has the gradient added into it."""
+    check_queue(queue)
+    vocab = positive_int("vocab", vocab)
+    if vocab >= 2**31:
+        raise ValueError(f"vocab: {vocab} does not fit the int32 ids")
+    check_array("dout", dout, queue, ndim=2)
+    n, d = dout.shape
+    if n >= 2**31:
+        raise ValueError(f"dout: {n} rows are more than the sort takes (2³¹)")
+    ids = index_array("ids", ids, queue, (n,), below=vocab, allocator=allocator)
+    invalid = _invalid(queue, invalid)
+    accumulate = dtable is not None
+    (dtable,) = outputs(queue, allocator, [("dtable", dtable, (vocab, d))],
+                        [("ids", ids), ("dout", dout), ("invalid", invalid)])
+    wg, knl = _kernels(queue, invalid, n * d, vocab * d)
+    block = 2 * wg
+    padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
+    keys = scratch(queue, 2 * padded, allocator)  # ulong keys
+    evts = [knl["embedding_keys"](queue, (padded // wg,), [keys, ids.data] + ([invalid.data] if invalid is not None else [])
+                                  + [np.uint32(n), np.uint32(vocab)], wait_for=events(wait_for, ids, invalid))]
+
+    def sort(name, groups, *sizes):  # each pass waits on the one before
+        evts.append(knl[name](queue, (groups,), [keys, *map(np.uint32, sizes)], wait_for=evts[-1:]))
+
+    sort("bitonic_block", padded // block, 2, block)
+    size = 2 * block
+    while size <= padded:
+        stride = size // 2
+        while stride >= block:
+            sort("bitonic_global", padded // 2 // wg, size, stride)
+            stride //= 2
+        sort("bitonic_block", padded // block, size, size)
+        size *= 2
+    evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.data, dout.data, keys, np.uint32(padded), np.uint32(d),
+                                                        np.int32(accumulate)],
+                                      wait_for=evts[-1:] + events(None, dtable, dout))
+    hold([evt], keys, ids, dout, dtable, invalid)
+    if invalid is not None:
+        wrote([evts[0]], invalid)
+    return wrote([evt], dtable)[0]

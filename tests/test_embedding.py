@@ -1,0 +1,71 @@
+"""embedding / embedding_bwd against the float64 reference: repeated ids, every vocab row hit or
+not, sizes around the sort's blocks, ids out of range from the device (zeroed, counted) and from
+the host (refused), accumulation, bitwise determinism."""
+import numpy as np
+import pyopencl.array as cla
+import pytest
+
+import clops
+from clops import reference as ref, tuning
+from clops.reference import rel_err, rnd
+from helpers import to_device
+
+
+def _ids(n, vocab, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("n, vocab, d, wg", [(1, 1, 3, None), (37, 5, 16, None), (300, 1000, 7, 16),
+                                             (1025, 50, 33, 8), (64, 64, 1, 4)])
+def test_parity(queue, n, vocab, d, wg):
+    table, dout = rnd((vocab, d), 1), rnd((n, d), 2)
+    ids = _ids(n, vocab, 3)
+    tuning.override("embedding", {}, None if wg is None else {"wg": wg})
+    try:
+        dt, dd = to_device(queue, table, dout)
+        out = clops.embedding(queue, dt, ids)
+        assert np.array_equal(out.get(), ref.embedding(table, ids))
+        grad = clops.embedding_bwd(queue, cla.to_device(queue, ids), dd, vocab=vocab)
+        want = ref.embedding_bwd(ids, dout, vocab)
+        assert rel_err(grad.get(), want) <= 1e-6
+        again = clops.embedding_bwd(queue, ids, dd, vocab=vocab, dtable=grad)  # added into a given dtable
+        assert rel_err(again.get(), 2 * want) <= 1e-6
+    finally:
+        tuning.override("embedding", {}, None)
+
+
+def test_gradient_is_deterministic(queue):
+    ids = np.zeros(2000, np.int32)  # one row takes every token: the longest sum
+    ids[::3] = 7
+    dout, = to_device(queue, rnd((2000, 24), 4, 10.0))
+    runs = [clops.embedding_bwd(queue, ids, dout, vocab=9).get().tobytes() for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_device_ids_out_of_range_are_zeroed_and_counted(queue):
+    table, dout = rnd((6, 5), 5), rnd((5, 5), 6)
+    ids = np.array([2, -1, 6, 5, 100], np.int32)
+    dt, dd, di = to_device(queue, table, dout, ids)
+    invalid = cla.zeros(queue, (1,), np.int32)
+    out = clops.embedding(queue, dt, di, invalid=invalid)
+    assert np.array_equal(out.get(), ref.embedding(table, ids)) and invalid.get()[0] == 3
+    grad = clops.embedding_bwd(queue, di, dd, vocab=6, invalid=invalid)
+    assert rel_err(grad.get(), ref.embedding_bwd(ids, dout, 6)) <= 1e-6 and invalid.get()[0] == 6
+
+
+def test_refusals(queue):
+    table, dout = to_device(queue, rnd((6, 5), 5), rnd((3, 5), 6))
+    bad = [
+        (ValueError, "ids: 6 at index 2 is outside \\[0, 6\\)",
+         lambda: clops.embedding(queue, table, np.array([0, 1, 6], np.int32))),
+        (TypeError, "ids: dtype must be int32", lambda: clops.embedding(queue, table, np.zeros(3, np.int64))),
+        (ValueError, "ids: expected shape", lambda: clops.embedding_bwd(queue, np.zeros(4, np.int32), dout, vocab=6)),
+        (ValueError, "vocab: must be positive", lambda: clops.embedding_bwd(queue, np.zeros(3, np.int32), dout, vocab=0)),
+        (TypeError, "invalid: dtype must be int32",
+         lambda: clops.embedding(queue, table, np.zeros(3, np.int32), invalid=cla.zeros(queue, (1,), np.float32))),
+        (ValueError, "out: shares memory with table",
+         lambda: clops.embedding(queue, table, np.zeros(6, np.int32), out=table)),
+    ]
+    for exc, word, call in bad:
+        with pytest.raises(exc, match=word):
+            call()
