@@ -6,7 +6,7 @@ import sys
 
 import pyopencl as cl
 
-from . import __version__, runtime
+from . import __version__, runtime, tuning
 from .check import FAMILIES
 
 
@@ -31,6 +31,13 @@ def info(args):
     dev = runtime.default_context().devices[0]
     print(f"chosen device: {dev.name.strip()} on {dev.platform.name.strip()}")
     print(f"  because: {runtime.default_reason()}")
+    print("kernel parameters there, per family at the shape class clops tune starts from:")
+    from .tune import FAMILIES as TUNED
+
+    for name, fam in TUNED.items():
+        params, source = fam.spec.resolve(dev, fam.shape_class)
+        shown = " ".join(f"{k}={v}" for k, v in params.items())
+        print(f"  {name} {tuning.shape_key(fam.shape_class) or '(every shape)'}: {shown} ({source})")
     return 0
 
 

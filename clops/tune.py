@@ -48,7 +48,7 @@ import pyopencl.tools as cl_tools
 
 import clops
 
-from . import attn, elementwise, norm, qk_rope, runtime, tuning
+from . import attn, elementwise, embed, loss, norm, optim, qk_rope, runtime, tuning
 from . import reference as ref
 from .profile import Profile, measure
 from .program import KERNEL_DIR
@@ -248,6 +248,48 @@ def _attention_problem(sc, small):
                                                                            "nkv": 12})
 
 
+def _cross_entropy(queue, sc, pb):
+    n, vocab = pb["rows"], pb["vocab"]
+    x, dloss = ref.rnd((n, vocab), 1, 8.0), ref.rnd(n, 2)
+    t = np.random.default_rng(3).integers(0, vocab, n).astype(np.int32)
+    dx, dl, dt = *_upload(queue, x, dloss), cla.to_device(queue, t)
+    pool = _pool(queue)
+
+    def call():
+        loss, lse = clops.cross_entropy(queue, dx, dt, allocator=pool)
+        return loss, lse, clops.cross_entropy_bwd(queue, dx, dt, lse, dl, allocator=pool)
+
+    def reference():
+        loss, lse = ref.cross_entropy(x, t)
+        return loss, lse, ref.cross_entropy_bwd(x, t, lse, dloss)
+
+    return Case(call, reference, (FWD, FWD, BWD), "GB/s", _nbytes((n, vocab), (n,), (n,), (n,)) * 2 + 8 * n * vocab)
+
+
+def _embedding(queue, sc, pb):
+    n, vocab, d = pb["rows"], pb["vocab"], pb["d"]
+    table, dout = ref.rnd((vocab, d), 1), ref.rnd((n, d), 2)
+    ids = np.random.default_rng(3).integers(0, vocab, n).astype(np.int32)
+    dtab, ddout, dids = *_upload(queue, table, dout), cla.to_device(queue, ids)
+    pool = _pool(queue)
+    return Case(lambda: (clops.embedding(queue, dtab, dids, allocator=pool),
+                         clops.embedding_bwd(queue, dids, ddout, vocab=vocab, allocator=pool)),
+                lambda: (ref.embedding(table, ids), ref.embedding_bwd(ids, dout, vocab)), (0.0, BWD), "GB/s",
+                _nbytes((n,), (n, d), (n, d), (n,), (n, d), (vocab, d)))
+
+
+def _adamw(queue, sc, pb):
+    n = pb["rows"]
+    p, g, m, v = ref.rnd(n, 1), ref.rnd(n, 2), ref.rnd(n, 3, 0.1), abs(ref.rnd(n, 4, 0.1))
+    kw = dict(lr=1e-3, step=2, weight_decay=0.1)
+
+    def call():  # from the same state every time: the update is in place
+        state = _upload(queue, p, g, m, v)
+        return clops.adamw(queue, *state, **kw)
+
+    return Case(call, lambda: ref.adamw(p, g, m, v, **kw), (FWD,) * 3, "GB/s", _nbytes(*[(n,)] * 7))
+
+
 _TOKENS = 16384  # DESIGN.md's memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
 FAMILIES = {
     "elementwise": Family(
@@ -263,6 +305,14 @@ FAMILIES = {
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
     "attention_bwd_dqs": _bwd_family("dqs"),
+    "cross_entropy": Family(loss.SPEC, {}, lambda sc, small: {"rows": 8 if small else 4096,
+                                                               "vocab": 5000 if small else 50257},
+                            _cross_entropy, "cross_entropy + cross_entropy_bwd on [rows, vocab]"),
+    "embedding": Family(embed.SPEC, {}, lambda sc, small: {"rows": 64 if small else _TOKENS,
+                                                           "vocab": 500 if small else 50257, "d": 64 if small else 1024},
+                        _embedding, "embedding + embedding_bwd on ids [rows] of a [vocab, d] table"),
+    "adamw": Family(optim.SPEC, {}, lambda sc, small: {"rows": 4099 if small else 2**26}, _adamw,
+                    "adamw on [rows] (the timed calls include uploading the state they start from)"),
     "qk_norm_rope": Family(
         qk_rope.SPEC, {"hd": 128},
         lambda sc, small: {"rows": 128 if small else _TOKENS, "heads": 4 if small else 16, "window": 64 if small

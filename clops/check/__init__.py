@@ -13,7 +13,7 @@ import numpy as np
 
 from ..reference import rel_err
 
-FAMILIES = ("elementwise", "norm", "qk_norm_rope", "attention")
+FAMILIES = ("elementwise", "norm", "qk_norm_rope", "attention", "training")
 
 
 @dataclasses.dataclass
