@@ -16,6 +16,7 @@ from .reference import rope_table  # noqa: E402  (a host helper: the reference's
 from .loss import cross_entropy, cross_entropy_bwd  # noqa: E402
 from .optim import adamw  # noqa: E402
 from .embed import embedding, embedding_bwd  # noqa: E402
+from .blas import gemm  # noqa: E402  (CLBlast is loaded at the first call)
 from .elementwise import (  # noqa: E402
     add,
     sigmoid_gate,
@@ -32,5 +33,5 @@ __all__ = [
     "attention", "attention_bwd",
     "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope", "qk_norm_rope_bwd", "rope_table",
     "add", "sigmoid_gate", "sigmoid_gate_bwd", "swiglu", "swiglu_bwd", "swiglu_gated", "swiglu_gated_bwd",
-    "swiglu_limit", "cross_entropy", "cross_entropy_bwd", "adamw", "embedding", "embedding_bwd",
+    "swiglu_limit", "cross_entropy", "cross_entropy_bwd", "adamw", "embedding", "embedding_bwd", "gemm",
 ]

@@ -202,6 +202,23 @@ def _embedding(backward, n, vocab, d):
     return setup
 
 
+def _gemm(m, n, k):
+    def setup(queue, data):
+        a, b = data.get((m, k), 1), data.get((k, n), 2)
+        return (lambda: clops.gemm(queue, a, b, allocator=data.pool)), 2.0 * m * n * k
+
+    return setup
+
+
+def _peer_gemm(m, n, k):
+    def make(torch):
+        a, b = _t_rand(torch, (m, k), 1), _t_rand(torch, (k, n), 2)
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 FMA, as CLBlast's SGEMM
+        return lambda: a @ b
+
+    return make
+
+
 def _adamw(shape):
     """adamw: reads p, g, m, v and writes p, m, v."""
 
@@ -331,6 +348,8 @@ def benches(small):
         Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5), dc])),
         Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
     ]
+    g = 256 if small else 4096
+    out.append(Bench("gemm", f"{g}×{g}×{g}", "TFLOP/s", _gemm(g, g, g), (("a @ b fp32 (no TF32)", _peer_gemm(g, g, g)),)))
     params = ((n * d,), 1, 1.0)
     out.append(Bench("adamw", f"[{n * d}]", "GB/s", _adamw(params), (("torch.optim.AdamW (fused)", _peer_adamw(n * d)),)))
     vocab = 5000 if small else 50257

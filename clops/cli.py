@@ -61,12 +61,15 @@ def main(argv=None):
     p.add_argument("--family", action="append", choices=FAMILIES, help="only this op family (repeatable)")
     sub.add_parser("bench", help="benchmarks (see `python -m clops bench --help`)", add_help=False)
     sub.add_parser("tune", help="template-parameter sweeps (see `python -m clops tune --help`)", add_help=False)
+    sub.add_parser("train-demo", help="train a small language model on clops (see `python -m clops train-demo --help`)",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv and argv[0] in ("bench", "tune"):
+        tools = {"bench": "bench", "tune": "tune", "train-demo": "train_demo"}
+        if argv and argv[0] in tools:
             import importlib
 
-            return importlib.import_module(f"clops.{argv[0]}").main(argv[1:])
+            return importlib.import_module(f"clops.{tools[argv[0]]}").main(argv[1:])
         args = parser.parse_args(argv)
         return {"info": info, "check": check}[args.command](args)
     except runtime.DeviceError as e:

@@ -143,6 +143,12 @@ def reload_switches():
 reload_switches()
 
 
+def notify(queue, kernel, global_size, evt):
+    """Tell the profilers of a launch (``kernel`` has a name, template, params and local_size)."""
+    for observe in list(observers.values()):
+        observe(queue, kernel, global_size, evt)
+
+
 def checked_enabled():
     return _switches["checked"]
 
@@ -284,8 +290,7 @@ class Kernel:
                 self._typed = True
             evt = self.knl(queue, global_size, self._local[len(global_size)], *args, wait_for=wait_for)
         if observers:
-            for observe in list(observers.values()):
-                observe(queue, self, global_size, evt)
+            notify(queue, self, global_size, evt)
         if self._guarded is not None:
             self._raise_recorded(queue, err, evt, args)
         return evt

@@ -1,0 +1,81 @@
+"""Matrix multiplies through CLBlast's C API, by ctypes: ``gemm(queue, a, b)``.
+
+CLBlast is a system library (Debian: ``apt install libclblast1``; elsewhere build it or point
+``CLOPS_CLBLAST`` at ``libclblast.so``); no compiler is needed. It is looked for when ``gemm`` is
+first called, never at import. Arrays are float32 row-major 2-D ``pyopencl.array.Array`` s as
+every op takes them. CLBlast's enqueue takes no wait list, so ``gemm`` first enqueues a barrier
+on ``wait_for`` and the arrays' pending events (cheap on an in-order queue, correct on any).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+import types
+
+import pyopencl as cl
+
+from . import program
+from .program import notify
+from .args import check_array, check_queue, events, finite_float, hold, outputs, wrote
+
+_ROW_MAJOR, _NO, _YES = 101, 111, 112
+# What clops.profile records of a gemm: CLBlast's own kernels are not clops', so one entry stands for them.
+_SGEMM = types.SimpleNamespace(name="CLBlastSgemm", template="CLBlast", params={}, local_size=(1, 1))
+_lib = {}
+_lock = threading.Lock()
+
+
+def library():
+    """The loaded CLBlast (ctypes), or RuntimeError saying how to install it."""
+    with _lock:
+        if "lib" not in _lib:
+            path = os.environ.get("CLOPS_CLBLAST") or ctypes.util.find_library("clblast")
+            if not path:
+                raise RuntimeError("clops.gemm needs CLBlast: install it (Debian/Ubuntu: apt install libclblast1) "
+                                   "or set CLOPS_CLBLAST to the path of libclblast.so")
+            lib = ctypes.CDLL(path)
+            lib.CLBlastSgemm.restype = ctypes.c_int
+            size, mem, f32 = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_float
+            lib.CLBlastSgemm.argtypes = [ctypes.c_int] * 3 + [size] * 3 + [f32, mem, size, size, mem, size, size,
+                                                                            f32, mem, size, size,
+                                                                            ctypes.POINTER(ctypes.c_void_p),
+                                                                            ctypes.POINTER(ctypes.c_void_p)]
+            _lib["lib"] = lib
+        return _lib["lib"]
+
+
+def gemm(queue, a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, out=None, wait_for=None,
+         allocator=None):
+    """``out = alpha·op(a)·op(b) + beta·out`` with ``op(x) = xᵀ`` when ``trans_x``: ``op(a)`` is
+    ``[m, k]``, ``op(b)`` ``[k, n]``, ``out`` ``[m, n]`` (given when ``beta`` is not 0)."""
+    check_queue(queue)
+    check_array("a", a, queue, ndim=2)
+    check_array("b", b, queue, ndim=2)
+    alpha, beta = finite_float("alpha", alpha), finite_float("beta", beta)
+    for name, flag_ in (("trans_a", trans_a), ("trans_b", trans_b)):
+        if not isinstance(flag_, bool):
+            raise TypeError(f"{name}: expected True or False, got {flag_!r}")
+    m, k = a.shape[::-1] if trans_a else a.shape
+    kb, n = b.shape[::-1] if trans_b else b.shape
+    if kb != k:
+        raise ValueError(f"b: op(b) has {kb} rows, op(a) {k} columns (a {a.shape}, b {b.shape}, "
+                         f"trans_a={trans_a}, trans_b={trans_b})")
+    if beta != 0.0 and out is None:
+        raise ValueError("out: needed when beta is not 0 (it is added into)")
+    (out,) = outputs(queue, allocator, [("out", out, (m, n))], [("a", a), ("b", b)])
+    lib = library()
+    gate = cl.enqueue_barrier(queue, wait_for=events(wait_for, a, b, out))
+    evt = ctypes.c_void_p()
+    status = lib.CLBlastSgemm(_ROW_MAJOR, _YES if trans_a else _NO, _YES if trans_b else _NO, m, n, k, alpha,
+                              a.data.int_ptr, 0, a.shape[1], b.data.int_ptr, 0, b.shape[1], beta,
+                              out.data.int_ptr, 0, n, ctypes.byref(ctypes.c_void_p(queue.int_ptr)),
+                              ctypes.byref(evt))
+    if status != 0:
+        raise RuntimeError(f"CLBlastSgemm failed with status {status} (m={m}, n={n}, k={k})")
+    done = cl.Event.from_int_ptr(evt.value, retain=False)
+    if program.observers:
+        notify(queue, _SGEMM, (m, n), done)
+    hold([done, gate], a, b, out)
+    return wrote([done], out)[0]
