@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 import weakref
 from decimal import Decimal
 
@@ -92,8 +93,19 @@ def memory_pool(queue):
         with _pool_lock:
             pool = _pools.get(ctx)
             if pool is None:
-                pool = _pools[ctx] = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+                # Deferred, not ImmediateAllocator: that one writes into each new buffer on the queue it
+                # was made with, which on NVIDIA's driver waited on a gated queue and, from another
+                # queue, could land after an op on that queue had written the buffer.
+                pool = _pools[ctx] = deferred_pool(ctx)
     return pool
+
+
+def deferred_pool(ctx):
+    """A MemoryPool over a DeferredAllocator of ``ctx``; pyopencl's warning that an out-of-memory
+    error then surfaces at a later enqueue rather than at allocation is known and accepted."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Memory pools expect non-deferred semantics")
+        return cl_tools.MemoryPool(cl_tools.DeferredAllocator(ctx))
 
 
 def check_allocator(allocator):

@@ -31,11 +31,16 @@ class Launch:
     global_size: tuple
     local_size: tuple
     event: cl.Event
+    start: cl.Event = None  # the command the launch's time starts at, when not its own event
+
+    @property
+    def began(self):
+        return (self.start or self.event).profile.start
 
     @property
     def ms(self):
         self.event.wait()
-        return (self.event.profile.end - self.event.profile.start) * 1e-6
+        return (self.event.profile.end - self.began) * 1e-6
 
 
 class Profile:
@@ -63,10 +68,10 @@ class Profile:
         args.host_observers.pop(id(self), None)
         return False
 
-    def _on_launch(self, queue, kernel, global_size, evt):
+    def _on_launch(self, queue, kernel, global_size, evt, start=None):
         if queue == self.queue:
             self.launches.append(Launch(kernel.name, kernel.template, dict(kernel.params), tuple(global_size),
-                                        kernel.local_size[: len(global_size)], evt))
+                                        kernel.local_size[: len(global_size)], evt, start))
 
     def _on_host(self, queue, what, amount):
         if queue == self.queue:
@@ -85,7 +90,7 @@ class Profile:
         ``kernels``, if given)."""
         launches = self._selected(kernels)
         cl.wait_for_events([r.event for r in launches])
-        start = min(r.event.profile.start for r in launches)
+        start = min(r.began for r in launches)
         return (max(r.event.profile.end for r in launches) - start) * 1e-6
 
     def kernel_ms(self, kernels=None):

@@ -143,10 +143,11 @@ def reload_switches():
 reload_switches()
 
 
-def notify(queue, kernel, global_size, evt):
-    """Tell the profilers of a launch (``kernel`` has a name, template, params and local_size)."""
+def notify(queue, kernel, global_size, evt, start=None):
+    """Tell the profilers of a launch (``kernel`` has a name, template, params and local_size);
+    ``start``: an event enqueued just before, when ``evt`` ends several commands (CLBlast's)."""
     for observe in list(observers.values()):
-        observe(queue, kernel, global_size, evt)
+        observe(queue, kernel, global_size, evt, start)
 
 
 def checked_enabled():

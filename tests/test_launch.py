@@ -90,7 +90,7 @@ def test_out_of_order_queue_and_shared_pool_give_the_in_order_bits(queue):
     inputs = _inputs(queue)
     want = {k: a.get() for k, a in _chain(queue, inputs).items()}
     ooo = cl.CommandQueue(queue.context, properties=props.OUT_OF_ORDER_EXEC_MODE_ENABLE)
-    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    pool = args.deferred_pool(queue.context)
     other = cl.CommandQueue(queue.context)
     for _ in range(3):
         got = _chain(ooo, inputs, allocator=pool)
@@ -101,7 +101,7 @@ def test_out_of_order_queue_and_shared_pool_give_the_in_order_bits(queue):
 
 
 def test_scratch_is_held_until_its_kernels_complete(queue):
-    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    pool = args.deferred_pool(queue.context)
     x, w, dy, *_ = _inputs(queue)
     _, inv = clops.rms_norm(queue, x, w)
     queue.finish()

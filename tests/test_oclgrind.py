@@ -297,7 +297,7 @@ def _subprocess_main(what):
 
     cla.Array.__init__ = keep
     launched = set()
-    clops.program.observers["oclgrind-test"] = lambda q, knl, size, evt: launched.add((knl.template, knl.name))
+    clops.program.observers["oclgrind-test"] = lambda q, knl, size, evt, start: launched.add((knl.template, knl.name))
     run, templates = FAMILIES[what]
     run(queue)
     queue.finish()
