@@ -271,7 +271,7 @@ def train(queue, cfg, log=20, plot=None, out=print):
     curve, start = [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
         loss = model.step(*next(data))
-        if step % log == 0 or step == cfg.steps:
+        if step == 1 or step % log == 0 or step == cfg.steps:
             mean = float(loss.get().mean())  # the only read-back: once per logged step
             rate = step * cfg.tokens / (time.perf_counter() - start)
             curve.append((step, mean))
@@ -289,6 +289,7 @@ def train(queue, cfg, log=20, plot=None, out=print):
         else:
             fig, ax = plt.subplots(figsize=(6, 3.5))
             ax.plot(*zip(*curve))
+            ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("mean cross-entropy (nats)")
             ax.set_title(f"clops train-demo: d={cfg.d}, {cfg.layers} layers, {cfg.tokens} tokens/step", fontsize=9)
