@@ -456,6 +456,22 @@ def _print_row(name, rec, out):
             out(f"    torch {label:<36} {peer['ms']:>9.4f} ms")
 
 
+def _train(a, queue, out):
+    from . import train_demo
+
+    queue = queue or runtime.default_queue(profiling=True)
+    torch, why = torch_gpu() if a.peers else (None, None)
+    if a.peers and torch is None:
+        out(f"peers: {why}")
+    cfg = train_demo.TINY if a.small else train_demo.BENCH
+    rec = train_demo.bench(queue, cfg, torch=torch, out=out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rec, device=list(runtime.device_identity(queue.device))), f, indent=1)
+        out(f"figures written to {a.json}")
+    return 0
+
+
 def _step(a, queue, out):
     queue = queue or runtime.default_queue(profiling=True)
     torch, why = torch_gpu() if a.peers else (None, None)
@@ -478,9 +494,14 @@ def main(argv=None, queue=None, out=print):
     p.add_argument("--step", action="store_true",
                    help="the non-matmul half of a pre-norm block, forward + backward (wall vs device time), and "
                         "the host cost of one op call (clops.step)")
+    p.add_argument("--train", action="store_true",
+                   help="tokens/s of the train-demo's model at a realistic size (clops.train_demo.BENCH): "
+                        "shares of clops' kernels, CLBlast and the host, beside PyTorch eager with --peers")
     a = p.parse_args(argv)
     if a.step:
         return _step(a, queue, out)
+    if a.train:
+        return _train(a, queue, out)
     every = benches(a.small)
     unmatched = [t for t in a.only or () if not any(t in b.name for b in every)]
     if unmatched:

@@ -59,8 +59,9 @@ class Spec:
     doc: str = ""
 
     def __post_init__(self):
-        self._params = {}
-        self._kernels = weakref.WeakKeyDictionary()  # context -> {(device, key): {name: Kernel}}
+        self._params = {}  # (device, shape class) -> render parameters
+        self._kernels = weakref.WeakKeyDictionary()  # context -> {(device, shape class, extra): (params, kernels)}
+        self._gen = tuning.generation()
         self._lock = threading.Lock()
 
     def violation(self, dev, sc, p):
@@ -95,29 +96,39 @@ class Spec:
         """(checked parameters, where they came from) for ``dev`` at ``sc``, without the memo."""
         found, source = tuning.lookup(dev, self.op, sc)
         if found is not None:
-            if source == "override":
-                return self.check(dev, sc, found), source
             try:
                 return self.check(dev, sc, found), source
             except LimitError as e:
+                if source == "override":  # what clops tune is trying: its failure is the answer
+                    raise
                 warnings.warn(f"tuning entry from {source} not used, the heuristic is: {e}", stacklevel=4)
         return self.check(dev, sc, self.heuristic(dev, sc)), "heuristic"
 
+    def _fresh(self):
+        """Forget the memos when the tuning database changed since they were filled."""
+        gen = tuning.generation()
+        if gen != self._gen:
+            with self._lock:
+                self._params, self._kernels, self._gen = {}, weakref.WeakKeyDictionary(), gen
+
     def params(self, dev, sc):
         """Render parameters for ``dev`` at ``sc`` (memoised until the tuning database changes)."""
-        key = (dev, tuple(sc.values()), tuning.generation())  # a family's shape class has fixed keys
+        self._fresh()
+        key = (dev, tuple(sc.values()))  # a family's shape class has fixed keys
         found = self._params.get(key)
         if found is None:
+            found = self.render(self.resolve(dev, sc)[0], sc)
             with self._lock:
-                found = self._params[key] = self.render(self.resolve(dev, sc)[0], sc)
+                self._params[key] = found
         return found
 
     def kernels(self, queue, sc, **extra):
         """(render parameters, {name: Kernel}) on ``queue``'s device at ``sc``; ``extra`` are
         render parameters the call adds (index type, flags). Memoised per context and device."""
+        self._fresh()
         dev = queue.device
         # Each call site passes the same keys in the same order, so values identify them.
-        key = (dev, tuple(sc.values()), tuple(extra.items()), tuning.generation(), checked_enabled())
+        key = (dev, tuple(sc.values()), tuple(extra.items()), checked_enabled())
         per_ctx = self._kernels.get(queue.context)
         found = per_ctx.get(key) if per_ctx is not None else None
         if found is None:
@@ -126,4 +137,3 @@ class Spec:
             with self._lock:
                 self._kernels.setdefault(queue.context, {})[key] = found
         return found
-

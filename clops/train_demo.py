@@ -176,13 +176,14 @@ def batches(text, cfg, seed=0):
 
 # ---- the PyTorch twin (CPU, float64) for --check ----
 
-def torch_model(torch, cfg, weights):
-    """(params {name: tensor}, loss_fn(ids, targets)) of the same model in PyTorch float64."""
+def torch_model(torch, cfg, weights, dtype=None, device="cpu"):
+    """(params {name: tensor}, loss_fn(ids, targets)) of the same model in PyTorch (float64 unless told)."""
     F = torch.nn.functional
-    p = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in weights.items()}
-    rope = torch.tensor(clops.rope_table(cfg.seq, cfg.hd // 2, theta=1e4), dtype=torch.float64)
+    dtype = dtype or torch.float64
+    p = {k: torch.tensor(v, dtype=dtype, device=device, requires_grad=True) for k, v in weights.items()}
+    rope = torch.tensor(clops.rope_table(cfg.seq, cfg.hd // 2, theta=1e4), dtype=dtype, device=device)
     n, hd, half = cfg.tokens, cfg.hd, cfg.hd // 2
-    pos = torch.arange(n) % cfg.seq
+    pos = torch.arange(n, device=device) % cfg.seq
     cos, sin = rope[pos, :, 0][:, None, :], rope[pos, :, 1][:, None, :]
 
     def rms(x, w, gemma=False, eps=1e-6):
@@ -198,12 +199,12 @@ def torch_model(torch, cfg, weights):
         qh, kh, vh = (t.reshape(b, cfg.seq, -1, hd).transpose(1, 2) for t in (qh, kh, vh))
         kh, vh = (t.repeat_interleave(cfg.nh // cfg.nkv, dim=1) for t in (kh, vh))
         scores = qh @ kh.transpose(-1, -2) / hd ** 0.5
-        mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).tril()
+        mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device=device).tril()
         o = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vh
         return o.transpose(1, 2).reshape(n, cfg.nh * hd)
 
     def loss_fn(ids, targets):
-        x = p["embed"][torch.as_tensor(ids, dtype=torch.long)]
+        x = p["embed"][torch.as_tensor(ids, dtype=torch.long, device=device)]
         for i in range(cfg.layers):
             h = rms(x, p[f"{i}.norm1"])
             qh = norm_rope((h @ p[f"{i}.wq"]).reshape(n, cfg.nh, hd), p[f"{i}.qnorm"])
@@ -213,7 +214,7 @@ def torch_model(torch, cfg, weights):
             h2 = rms(x, p[f"{i}.norm2"])
             x = x + (F.silu(h2 @ p[f"{i}.w1"]) * (h2 @ p[f"{i}.w3"])) @ p[f"{i}.w2"]
         logits = rms(x, p["norm_f"]) @ p["head"]
-        return F.cross_entropy(logits, torch.as_tensor(targets, dtype=torch.long))
+        return F.cross_entropy(logits, torch.as_tensor(targets, dtype=torch.long, device=device))
 
     return p, loss_fn
 
@@ -297,6 +298,73 @@ def train(queue, cfg, log=20, plot=None, out=print):
             fig.savefig(plot, dpi=110)
             out(f"loss curve written to {plot}")
     return curve
+
+
+BENCH = Config(vocab=32000, d=1024, layers=8, nh=16, nkv=4, ff=2816, seq=1024, batch=8)
+
+
+def bench(queue, cfg=BENCH, steps=5, torch=None, out=print):
+    """Tokens/s of training steps at ``cfg`` (profiling queue), the shares of the step in clops'
+    kernels, in CLBlast and on the host; with ``torch``, the same model in PyTorch eager float32 on
+    its GPU. Returns the record."""
+    from .profile import Profile
+
+    model = Model(queue, cfg, init_weights(cfg, cfg.seed))
+    data = batches(make_text(cfg.tokens * 4, cfg.seed), cfg, cfg.seed)
+    for _ in range(2):
+        model.step(*next(data))
+    queue.finish()
+    with Profile(queue) as prof:
+        model.step(*next(data))
+    blas_ms = sum(r.ms for r in prof.launches if r.template == "CLBlast")
+    clops_ms = sum(r.ms for r in prof.launches if r.template != "CLBlast")
+    start = time.perf_counter()
+    for _ in range(steps):
+        model.step(*next(data))
+    queue.finish()
+    wall = (time.perf_counter() - start) * 1e3 / steps
+    rec = {"config": dataclasses.asdict(cfg), "wall_ms": wall, "tokens_per_s": cfg.tokens / wall * 1e3,
+           "clops_ms": clops_ms, "clblast_ms": blas_ms, "host_share": max(0.0, 1 - (clops_ms + blas_ms) / wall)}
+    out(f"train step d={cfg.d} layers={cfg.layers} T={cfg.seq} batch={cfg.batch} vocab={cfg.vocab}: "
+        f"{wall:.2f} ms, {rec['tokens_per_s']:,.0f} tokens/s; clops kernels {clops_ms:.2f} ms "
+        f"({clops_ms / wall:.0%}), CLBlast {blas_ms:.2f} ms ({blas_ms / wall:.0%}), host {rec['host_share']:.0%}")
+    if torch is not None:
+        rec["torch"] = torch_bench(torch, cfg, steps)
+        t = rec["torch"]
+        out(f"    torch eager float32: {t['wall_ms']:.2f} ms, {t['tokens_per_s']:,.0f} tokens/s; its matmuls "
+            f"{t['matmul_ms']:.2f} ms, the rest {t['rest_ms']:.2f} ms (clops' ops: {clops_ms:.2f} ms)")
+    return rec
+
+
+def torch_bench(torch, cfg, steps):
+    """The same model and step (forward, backward, AdamW) in PyTorch eager float32 on its GPU, and the
+    time of its matmuls (profiler) against the rest."""
+    params, loss_fn = torch_model(torch, cfg, init_weights(cfg, cfg.seed), dtype=torch.float32, device="cuda")
+    opt = torch.optim.AdamW(params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    data = batches(make_text(cfg.tokens * 4, cfg.seed), cfg, cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, as CLBlast's
+
+    def step():
+        opt.zero_grad()
+        loss_fn(*next(data)).backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3 / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    matmul = sum(e.self_device_time_total for e in events if "gemm" in e.key.lower() or "sgemm" in e.key.lower()
+                 or "cutlass" in e.key.lower()) / 1e3
+    return {"wall_ms": wall, "tokens_per_s": cfg.tokens / wall * 1e3, "matmul_ms": matmul, "rest_ms": total - matmul}
 
 
 def main(argv=None, queue=None):

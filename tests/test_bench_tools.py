@@ -79,3 +79,26 @@ def test_unknown_op_and_parameter(queue, capsys):
 def test_bad_pairs(argv):
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         tune.main(["elementwise"] + argv)
+
+
+def test_step_and_train_benches_run(queue, tmp_path):
+    """bench --step (the block step and the per-call table) and bench --train (the demo's model) at
+    their small sizes: every figure is there and positive."""
+    lines = []
+    assert bench.main(["--step", "--small", "--json", str(tmp_path / "s.json")], queue=queue, out=lines.append) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["steps"]["small"]["device_ms"] > 0 and data["steps"]["small"]["kernels"] == 23
+    assert set(data["per_call"]) >= {"add", "rms_norm_dw", "attention_bwd"}
+    assert all(r["us"] > 0 for r in data["per_call"].values())
+    if blas_available():
+        assert bench.main(["--train", "--small", "--json", str(tmp_path / "t.json")], queue=queue,
+                          out=lines.append) == 0
+        rec = json.loads((tmp_path / "t.json").read_text())
+        assert rec["tokens_per_s"] > 0 and rec["clops_ms"] > 0 and rec["clblast_ms"] > 0
+
+
+def blas_available():
+    import ctypes.util
+    import os
+
+    return bool(os.environ.get("CLOPS_CLBLAST") or ctypes.util.find_library("clblast"))
