@@ -36,7 +36,8 @@ import math
 import numpy as np
 import pyopencl as cl
 
-from .args import check_array, check_queue, events, finite_float, hold, index_type, outputs, positive_int, scratch, wrote
+from .args import (FLOAT32_MAX, check_array, check_queue, events, finite_float, hold, index_type, outputs, positive_int,
+                   scratch, wrote)
 from .program import LimitError
 from .spec import Spec
 
@@ -66,7 +67,12 @@ def _check_geometry(queue, q, k, v, window):
 
 def _scale(scale, hd):
     """The score scale: ``scale`` checked, or 1/sqrt(hd)."""
-    return 1.0 / math.sqrt(hd) if scale is None else finite_float("scale", scale)
+    if scale is None:
+        return 1.0 / math.sqrt(hd)
+    scale = finite_float("scale", scale)
+    if abs(scale) * LOG2E > FLOAT32_MAX:  # the kernels take scale·log2(e)
+        raise ValueError(f"scale: |scale|·log2(e) must be finite in float32, got {scale:.4g}")
+    return scale
 
 
 def fwd_heuristic(dev, sc):

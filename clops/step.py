@@ -1,7 +1,7 @@
 """``python -m clops bench --step``: the non-matmul half of a pre-norm transformer block,
 forward and backward, and the host cost of one op call.
 
-The step (DESIGN.md's benchmark; the matmuls' outputs stand in as inputs): ``rms_norm``,
+The step (the matmuls' outputs stand in as inputs): ``rms_norm``,
 ``qk_norm_rope`` of q and of k, ``attention``, the residual ``add``, ``rms_norm``, ``swiglu``;
 then ``swiglu_bwd``, ``rms_norm_bwd`` + ``rms_norm_dw``, the residual ``add``,
 ``attention_bwd``, two ``qk_norm_rope_bwd`` (with their gain gradients), ``rms_norm_bwd`` +

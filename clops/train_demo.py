@@ -223,7 +223,7 @@ def rel(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-GRAD_TOL, LOSS_TOL = 1e-5, 1e-6  # float32 kernels and matmuls against float64, relative (DESIGN.md's backward)
+GRAD_TOL, LOSS_TOL = 1e-5, 1e-6  # float32 kernels and matmuls against float64, relative (the backward's parity tolerance)
 
 
 def check(queue, cfg, out=print):

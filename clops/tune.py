@@ -55,7 +55,7 @@ from .program import KERNEL_DIR
 from .spec import Spec
 
 MIN_RUNS = 7
-# DESIGN.md's tolerances (relative L2 against float64): forward, attention forward (lse: FWD), backward.
+# The parity tolerances (relative L2 against float64): forward, attention forward (lse: FWD), backward.
 FWD, ATTENTION, BWD = 1e-6, 1e-5, 1e-5
 
 
@@ -169,7 +169,7 @@ def _rms_norm_dw(queue, sc, pb):
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
 
 def attention_flops(windows, window, nh, hd):
-    """Forward FLOPs of causal attention (DESIGN.md): two matrix products (S = QKᵀ, O = PV)."""
+    """Forward FLOPs of causal attention: two matrix products (S = QKᵀ, O = PV), the causal half counted."""
     return 4 * windows * nh * window * window * hd / 2
 
 
@@ -290,7 +290,7 @@ def _adamw(queue, sc, pb):
     return Case(call, lambda: ref.adamw(p, g, m, v, **kw), (FWD,) * 3, "GB/s", _nbytes(*[(n,)] * 7))
 
 
-_TOKENS = 16384  # DESIGN.md's memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
+_TOKENS = 16384  # the memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
 FAMILIES = {
     "elementwise": Family(
         elementwise.SPEC, {},

@@ -18,6 +18,7 @@ SCALARS = [
     ("swiglu_limit", {"scale": -1e39}, "scale"),
     ("attention", {"scale": 1e39}, "scale"),
     ("attention_bwd", {"scale": 2**1100}, "scale"),
+    ("attention", {"scale": 3e38}, "scale"),  # finite in float32, but not scale·log2(e)
 ]
 
 
