@@ -244,7 +244,7 @@ def wait_list(wait_for, context):
 def events(wait_for, *arrays):
     """The events a launch waits on: ``wait_for`` (see :func:`wait_list`; checked against the arrays'
     context) plus those pending on the arrays it touches."""
-    out = wait_list(wait_for, next(a.context for a in arrays if a is not None))
+    out = [] if wait_for is None else wait_list(wait_for, next(a.context for a in arrays if a is not None))
     for a in arrays:
         if a is not None:
             out.extend(a.events)
