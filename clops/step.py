@@ -135,7 +135,12 @@ def torch_step(torch, shape, steps=STEPS):
         c = F.silu(a) * b
         torch.autograd.backward([h1, o, h2, c], grads)
 
-    for _ in range(3):
+    return torch_wall_ms(torch, step, steps)
+
+
+def torch_wall_ms(torch, step, steps, warmup=3):
+    """Wall ms per call of ``step`` (PyTorch on its GPU): ``steps`` calls back to back, one sync."""
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -27,6 +27,7 @@ import pyopencl.array as cla
 import clops
 
 from .blas import gemm
+from .step import torch_wall_ms
 
 
 @dataclasses.dataclass
@@ -349,14 +350,7 @@ def torch_bench(torch, cfg, steps):
         loss_fn(*next(data)).backward()
         opt.step()
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) * 1e3 / steps
+    wall = torch_wall_ms(torch, step, steps, warmup=2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
