@@ -141,8 +141,9 @@ ${common.guards()}\
 
 ## Step 1 for query rows q0.. and keys k0..: s{i}_{j}, dp{i}_{j} in registers,
 ## then P and dS written to local memory at `pidx(q, k)`; `pcoef` is skipped in dq.
-## Each chunk is fetched into registers one step ahead, while the previous one is used.
-<%def name="scores(pcoef, dscoef, pidx, mask)">
+## Each chunk is fetched into registers one step ahead, while the previous one is used;
+## `step2` (first_chunk's text) fetches step 2's first chunk between the two.
+<%def name="scores(pcoef, dscoef, pidx, mask, step2)">
 <%
     qsrc = [("q", "(idx_t)(tok0 + pos) * nh + h"), ("dO", "(idx_t)(tok0 + pos) * nh + h")]
     ksrc = [("k", "(idx_t)(tok0 + pos) * nkv + g"), ("v", "(idx_t)(tok0 + pos) * nkv + g")]
@@ -198,6 +199,7 @@ ${common.guards()}\
             }
             barrier(CLK_LOCAL_MEM_FENCE);
         }
+${step2}\
 <%
     # SPLIT = 1: P and dS in one pass; 2: the S half writes P (to the dS tile where P is
     # not kept), then the dP half reads it back and writes dS in its place.
@@ -264,6 +266,23 @@ ${common.guards()}\
 ## from the block's start, stride DCP) and is read there: no second fetch, no staging barriers.
 ## Where `masked`, the pairs failing `visible(j, i)` (key after query) are skipped, not multiplied
 ## by their zero coefficient: 0·NaN would carry a NaN row of X to gradients that do not depend on it.
+## first_chunk: step 2's first row `jlo` and, unless step 1 left X in local memory, its first
+## chunk fetched into registers. dkv and dq fetch it inside step 1 (scores' `step2`), after the
+## last chunk of Q·Kᵀ and before P and dS are computed, so the loads overlap that work; and no
+## global load follows the barrier between P and dS in the dS half. PoCL 6.0 (LLVM 18, its
+## default work-group method) dropped the dS half's code (no dS was ever written; dK and stored
+## dQ garbage) when step 2's first fetch sat between that barrier and step 2's first barrier
+## (SPLIT = 2, DC < HD: tests/test_oclgrind.py's halves_kv); see tests/test_attention_bwd.py.
+<%def name="first_chunk(srcs, jlo, pos0)">
+        const uint jlo = ${jlo};
+% if not staged_hd:
+        ${declare("x", jc, hd // vw, len(srcs))}
+        ${fetch("x", jc, hd // vw, srcs, pos0 + " + jlo", "0")}
+%   if kind == "dqs":
+        ${ds_chunk("declare", "jlo")}
+%   endif
+% endif
+</%def>
 <%def name="accumulate(coefs, srcs, staged, jlo, jhi, pos0, masked, visible)">
 <%
     if kind == "dkv" and split == 2:  # the first half dV (P, dO), the second dK (dS, Q)
@@ -272,18 +291,16 @@ ${common.guards()}\
         rowoff = ["%d" % (m * jc) for m in range(len(coefs))]
 %>\
         {
-        const uint jlo = ${jlo}, jhi = ${jhi};
+% if kind == "dqs":
+        ${first_chunk(srcs, jlo, pos0)}
+% endif
+        const uint jhi = ${jhi};
 % if staged_hd:
 <%  xat = lambda m, col: "%s[(j0 + j) * DCP + %s]" % (staged[m], col) %>
         barrier(CLK_LOCAL_MEM_FENCE);  // the coefficients
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
 % else:
 <%  xat = lambda m, col: "sx[(%s + j) * HDV + %s]" % (rowoff[m], col) %>
-        ${declare("x", jc, hd // vw, len(srcs))}
-        ${fetch("x", jc, hd // vw, srcs, pos0 + " + jlo", "0")}
-%   if kind == "dqs":
-        ${ds_chunk("declare", "jlo")}
-%   endif
         for (uint j0 = jlo; j0 < jhi; j0 += JC) {
             ${put("x", jc, hd // vw, ["(sx + %d * HDV)" % (m * jc) for m in range(len(srcs))], "HDV")}
 %   if kind == "dqs":
@@ -444,9 +461,11 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
 % endif
         for (uint q0 = (k0 / BQ) * BQ; q0 < T; q0 += BQ) {
             const bool masked = q0 < k0 + BK || q0 + BQ > T;
-            ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked")}
+<%          xsrc = [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")] %>\
             // query rows above the key block see none of its keys
-            ${accumulate(["cp", "cds"], [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")], ["sdo", "sq_"], "q0 <= k0 ? k0 % BQ / JC * JC : 0", "min((uint)BQ, T - q0)", "q0",
+            ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked",
+                     capture(first_chunk, xsrc, "q0 <= k0 ? k0 % BQ / JC * JC : 0", "q0"))}
+            ${accumulate(["cp", "cds"], xsrc, ["sdo", "sq_"], None, "min((uint)BQ, T - q0)", "q0",
                             "masked", lambda j, i: "q0 + %s >= k0 + %s" % (j, i))}
         }
     }
@@ -478,9 +497,10 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
     const uint qlast = min(q0 + BQ, T) - 1;
     for (uint k0 = 0; k0 <= qlast; k0 += BK) {
         const bool masked = k0 + BK - 1 > q0 || q0 + BQ > T;
-        ${scores(None, "cds", lambda r, c: "%s * BQ + %s" % (c, r), "masked")}
+<%      ksrc = [("k", "(idx_t)(tok0 + pos) * nkv + g")] %>\
+        ${scores(None, "cds", lambda r, c: "%s * BQ + %s" % (c, r), "masked", capture(first_chunk, ksrc, "0", "k0"))}
         // keys past the block's last query (or the window) have dS = 0
-        ${accumulate(["cds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], ["sk_"], "0", "min((uint)BK, qlast + 1 - k0)", "k0",
+        ${accumulate(["cds"], ksrc, ["sk_"], None, "min((uint)BK, qlast + 1 - k0)", "k0",
                       "masked", lambda j, i: "k0 + %s <= q0 + %s" % (j, i))}
     }
     ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}

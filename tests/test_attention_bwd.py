@@ -155,6 +155,20 @@ def test_tile_variants(queue, kind, params):
         tuning.override(op, {"hd": 40}, None)
 
 
+# PoCL 6.0 (LLVM 18) compiled attn_bwd_dkv at these tiles (SPLIT = 2, DC < HD: the halves of
+# tests/test_oclgrind.py) without the dS half's code when step 2's first global fetch followed
+# the barrier between P and dS: no dS written, dK (and dQ from stored dS) garbage, dV right.
+# The template now fetches that chunk before P and dS (first_chunk in attention_bwd.cl.mako).
+@pytest.mark.parametrize("hd", [8, 16])
+def test_split_halves_with_chunked_head_dim(queue, hd):
+    tiles = {"wg": 8, "split": 2, "bq": 8, "bk": 8, "sq": 2, "sk": 8, "dc": 4, "jc": 4, "tr": 2, "td": hd, "vw": 1}
+    tuning.override("attention_bwd_dkv", {"hd": hd}, tiles)
+    try:
+        _check(queue, True, 2, 17, 4, 2, hd)
+    finally:
+        tuning.override("attention_bwd_dkv", {"hd": hd}, None)
+
+
 def test_store_ds_default_follows_device_memory():
     dev = types.SimpleNamespace(max_mem_alloc_size=2**30, global_mem_size=2**34)
     assert store_ds_default(dev, 2**30) and not store_ds_default(dev, 2**30 + 1)  # one allocation
