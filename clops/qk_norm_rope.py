@@ -42,8 +42,9 @@ def heuristic(dev, hd):
 
 
 def local_bytes(hd, p):
-    """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch."""
-    return 4 * (p["upg"] * hd + p["wg"])
+    """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch (a float and
+    an exponent per work-item)."""
+    return 4 * (p["upg"] * hd + 2 * p["wg"])
 
 
 def params_for(dev, hd):
