@@ -66,9 +66,10 @@ void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] +
 </%def>
 
 <%def name="swiglu(T)">c = a / (1.0f + exp(-a)) * b;</%def>
+## σ(−x) as 1/(1 + exp(x)), not 1 − σ(x): that cancels to 0 once σ(x) rounds to 1 (x ≳ 17).
 <%def name="swiglu_grad(T)">
     const ${T} s = 1.0f / (1.0f + exp(-a));
-    da = dc * b * s * (1.0f + a * (1.0f - s));
+    da = dc * b * s * (1.0f + a / (1.0f + exp(a)));
     db = dc * a * s;
 </%def>
 <%def name="swiglu_limit(T)">
@@ -91,7 +92,7 @@ void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] +
 <%def name="sigmoid_gate_grad(T)">
     const ${T} s = 1.0f / (1.0f + exp(-b));
     da = dc * s;
-    db = dc * a * s * (1.0f - s);
+    db = dc * a * s / (1.0f + exp(b));
 </%def>
 <%def name="add(T)">c = a + b;</%def>
 

@@ -15,7 +15,11 @@ def _f64(*arrays):
 
 
 def sigmoid(x):
-    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
+    """σ(x) from e = exp(−|x|): no overflow, and no cancellation in either tail (0.5·(1 + tanh(x/2))
+    loses σ's digits for x ≲ −20 and gives 0 from x ≈ −37)."""
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 # ---- elementwise ----
@@ -28,7 +32,7 @@ def swiglu(a, b):
 def swiglu_bwd(a, b, dc):
     a, b, dc = _f64(a, b, dc)
     s = sigmoid(a)
-    return dc * b * s * (1.0 + a * (1.0 - s)), dc * a * s
+    return dc * b * s * (1.0 + a * sigmoid(-a)), dc * a * s
 
 
 def swiglu_limit(a, b, *, limit, scale=1.0, row_weight=None):
@@ -57,7 +61,7 @@ def sigmoid_gate(a, b):
 def sigmoid_gate_bwd(a, b, dc):
     a, b, dc = _f64(a, b, dc)
     s = sigmoid(b)
-    return dc * s, dc * a * s * (1.0 - s)
+    return dc * s, dc * a * s * sigmoid(-b)  # σ(−b), not 1 − σ(b): no cancellation in the tail
 
 
 def add(a, b):

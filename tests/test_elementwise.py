@@ -49,6 +49,18 @@ def test_clamp_is_applied(queue):
     assert not np.allclose(got, ref.swiglu(a, b))
 
 
+def test_saturated_tails(queue):
+    """σ(−x) in the gradients without the cancellation of 1 − σ(x): sigmoid_gate_bwd's db was 0 from
+    b ≈ 16.6 (float64: 1.4e-11 at 25), swiglu_bwd's da off by 9.5e-7 at a ≈ 16.6. Element by element."""
+    t = np.concatenate([np.linspace(4, 40, 512), -np.linspace(4, 40, 512)]).astype(np.float32)
+    one = np.ones_like(t)
+    T, ONE = to_device(queue, t, one)
+    da = clops.swiglu_bwd(queue, T, ONE, ONE)[0].get()
+    db = clops.sigmoid_gate_bwd(queue, ONE, T, ONE)[1].get()
+    np.testing.assert_allclose(da, ref.swiglu_bwd(t, one, one)[0], rtol=6e-7)
+    np.testing.assert_allclose(db, ref.sigmoid_gate_bwd(one, t, one)[1], rtol=1e-6)
+
+
 @pytest.mark.parametrize("params", [dict(wg=64, vw=1, ept=1), dict(wg=32, vw=2, ept=3), dict(wg=128, vw=8, ept=2),
                                     dict(wg=16, vw=16, ept=1)])
 def test_launch_parameters(queue, params):

@@ -1,6 +1,6 @@
 """Per-head q/k RMSNorm + partial RoPE parity (y, inv, dx, dw; both gain styles) at the seed's shape, head dims
-4…512, half from 0 to hd/2, both x layouts, a window shorter than the table; launch-parameter variants;
-deterministic dw; bad input rejected before anything runs."""
+4…512, half from 0 to hd/2, both x layouts, a window shorter than the table (positions restart every window);
+launch-parameter variants; deterministic dw; bad input rejected before anything runs."""
 
 import numpy as np
 import pyopencl as cl
@@ -64,6 +64,19 @@ def test_flat_layout_short_window_and_partial_window(queue):
     _parity(queue, x, w, table, dy, True, window=4, flat=True)   # 11 rows: the last window is partial
     x, w, dy = _data(1, 2, 40)
     _parity(queue, x, w, table, dy, True)
+
+
+def test_positions_restart_every_window(queue):
+    """window=3 over a table of 9: rows r and r + 3 are the same data, so their outputs (y, dx) are the
+    same bits; with the table's own window (9) they are not."""
+    x, w, dy = np.tile(rnd((3, 2, 16), 1), (3, 1, 1)), rnd(16, 2, 0.3), np.tile(rnd((3, 2, 16), 3), (3, 1, 1))
+    X, W, DY, R = to_device(queue, x, w, dy, ref.rope_table(9, 8))
+    y, inv = clops.qk_norm_rope(queue, X, W, R, window=3)
+    dx, _ = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, window=3)
+    for got in (y.get(), dx.get()):
+        assert got.tobytes() == np.tile(got[:3], (3, 1, 1)).tobytes()
+    y9 = clops.qk_norm_rope(queue, X, W, R)[0].get()
+    assert not np.array_equal(y9[3:6], y9[:3])
 
 
 def test_empty_table_means_no_rotation(queue):
