@@ -9,9 +9,7 @@
 // A work-group of WG work-items handles UPG units at a time; TPU = WG/UPG
 // consecutive work-items share a unit, work-item t owning the vectors t,
 // t + TPU, ... (CH of them) of its unit. The unit's sum of squares is a
-// fixed-order tree of scaled sums (common.group_sum_scaled over its TPU
-// work-items; range as in rms_norm.cl.mako, whose comment says what inv holds
-// and when the backward scales). The rotation
+// fixed-order tree (common.group_sum over its TPU work-items). The rotation
 // pairs dims that other work-items own, so the unit's vectors go through
 // local memory (buf) once.
 //
@@ -40,8 +38,6 @@ ${common.guards()}\
 #define RB ${rb}
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec;
-// Backward: units whose inv is outside [2^−32, 2^32] take the scaled formulas.
-#define SCALED(iv) (!((iv) >= 0x1p-32f && (iv) <= 0x1p32f))
 
 <%!
 def lane(vw, v, l):
@@ -50,12 +46,6 @@ def lane(vw, v, l):
 
 def lanes_sum(vw, v):
     return " + ".join(lane(vw, v, l) for l in range(vw))
-
-def lanes_max(vw, v):
-    out = lane(vw, v, 0)
-    for l in range(1, vw):
-        out = "fmax(%s, %s)" % (out, lane(vw, v, l))
-    return out
 %>
 <%def name="rope_arg()">${"__global const float2 *restrict rope, " if half else ""}</%def>
 
@@ -113,28 +103,21 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     const idx_t unit = (idx_t)get_group_id(0) * UPG + seg;
     const bool ok = unit < units;
     const idx_t base = unit * HV;
-    __local int escratch[WG];
     vec v[CH];
-    // Σ (x·2^−e)², e the largest exponent of this work-item's values (see common.group_sum_scaled).
-    vec m = (vec)(0.0f);
+    float ss = 0.0f;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
         v[k] = (ok && j < HV) ? x[${at("x", "base + j")}] : (vec)(0.0f);
-        m = fmax(m, fabs(v[k]));
-    }
-    const int e = ${common.scale_exp(lanes_max(vw, "m"))};
-    const float sc = ${common.pow2_neg("e")};
-    float ss = 0.0f;
-    for (uint k = 0; k < CH; ++k) {
-        const vec sq = (v[k] * sc) * (v[k] * sc);
+        const vec sq = v[k] * v[k];
         ss += ${lanes_sum(vw, "sq")};
     }
-    ${common.group_sum_scaled("total", "ss", "e", "seg_scratch", "(escratch + seg * TPU)", "t", tpu)}
-    ${common.inv_rms("inv", "total", "HD", "eps")}
+    ${common.group_sum("total", "ss", "seg_scratch", "t", tpu)}
+    // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
+    const float inv = 1.0f / sqrt(total / HD + eps);
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
         if (j < HV)
-            v[k] = v[k] * inv_sc * inv_iv * (w[${at("w", "j")}] + w_offset);
+            v[k] = v[k] * inv * (w[${at("w", "j")}] + w_offset);
     }
 % if half:
     ${rotate("v", False)}
@@ -180,23 +163,21 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
 % if half:
         ${rotate("g", True)}
 % endif
-        // Where inv is far from 1 (SCALED), x is taken as x·inv (as in rms_norm_bwd).
-        const float iv = ok ? inv[${at("inv", "unit")}] : 0.0f;
-        const bool scaled = SCALED(iv);
         float s = 0.0f;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
-            xv[k] = (ok && j < HV) ? x[${at("x", "base + j")}] * (scaled ? iv : 1.0f) : (vec)(0.0f);
+            xv[k] = (ok && j < HV) ? x[${at("x", "base + j")}] : (vec)(0.0f);
             const vec p = g[k] * we[k] * xv[k];
             s += ${lanes_sum(vw, "p")};
         }
         ${common.group_sum("total", "s", "seg_scratch", "t", tpu)}
-        const float coef = scaled ? total / HD * iv : total / HD * iv * iv * iv;
+        const float iv = ok ? inv[${at("inv", "unit")}] : 0.0f;
+        const float coef = total / HD * iv * iv * iv;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
             if (ok && j < HV)
                 dx[${at("dx", "base + j")}] = iv * we[k] * g[k] - xv[k] * coef;
-            acc[k] += g[k] * xv[k] * (scaled ? 1.0f : iv);
+            acc[k] += g[k] * xv[k] * iv;
         }
     }
     // The segments' sums, added in segment order.

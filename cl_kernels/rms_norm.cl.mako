@@ -12,16 +12,6 @@
 // deterministic. With CACHE the row's vectors stay in registers between the
 // sum and the write; rows too wide for that (CH > 32) are read twice.
 //
-// Range: the forward sums (x·2^−e)², e the largest exponent a work-item has
-// seen (common.group_sum_scaled), so every finite row gets y right, also where
-// x² leaves float32. inv is 1/rms rounded to float32: where that is not a
-// normal float (rms > 2^126, or rms < 2^−128 with eps = 0) y is computed from
-// the scaled pair instead, and inv holds the subnormal, 0 or inf. In range
-// the results are the bits of the unscaled formulas. The backward takes x·inv
-// in place of x where inv is outside [2^−32, 2^32] (SCALED), so that x·inv³
-// and Σ dy·w·x stay in range; it needs inv normal (limit: a subnormal inv
-// costs precision, an infinite one gives NaN).
-//
 // Gain gradient (kind "dw"), two deterministic stages, no atomics:
 //   rms_norm_dw_partial: group (c, b) sums dy·x·inv over rows [b·RB, b·RB+RB)
 //     for the WG·VW columns of block c (consecutive work-items, consecutive
@@ -40,20 +30,11 @@ ${common.guards()}\
 #define VW ${vw}
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec;
-// Backward: rows whose inv is outside [2^−32, 2^32] take the scaled formulas.
-#define SCALED(iv) (!((iv) >= 0x1p-32f && (iv) <= 0x1p32f))
 
 <%!
 def lanes_sum(vw, v):
     """The sum of the lanes of vector variable v."""
     return v if vw == 1 else " + ".join("%s.s%x" % (v, l) for l in range(vw))
-
-def lanes_max(vw, v):
-    """The largest lane of vector variable v."""
-    out = "%s.s0" % v if vw > 1 else v
-    for l in range(1, vw):
-        out = "fmax(%s, %s.s%x)" % (out, v, l)
-    return out
 %>
 
 % if kind == "rows":
@@ -61,8 +42,6 @@ def lanes_max(vw, v):
 #define RPG ${rpg}
 #define TPR ${tpr}
 #define CH ${ch}
-// Vectors held in registers at a time: the whole row with CACHE, else a block.
-#define CB ${ch if cache else min(ch, 8)}
 
 ## The prologue of a row kernel: this work-item's row, its place in the row,
 ## and the row's slice of local scratch for the segmented sum.
@@ -82,52 +61,40 @@ void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __
                   const float w_offset${checked_args("y", "inv_out", "x", "w")})
 {
     ${row_setup()}
-    __local int escratch[WG];
-    __local int *row_escratch = escratch + seg * TPR;
-    vec xs[CB];
-    // Σ (x·2^−e)², e the largest exponent seen so far, CB vectors at a time in registers.
+% if cache:
+    vec xs[CH];
+% endif
     float ss = 0.0f;
-    int e = -126;
-    for (uint k0 = 0; k0 < CH; k0 += CB) {
-        vec m = (vec)(0.0f);
-        for (uint k = 0; k < CB; ++k) {
-            const uint j = t + (k0 + k) * TPR;
-            xs[k] = (ok && j < dv && k0 + k < CH) ? x[${at("x", "base + j")}] : (vec)(0.0f);
-            m = fmax(m, fabs(xs[k]));
-        }
-        const int en = max(e, ${common.scale_exp(lanes_max(vw, "m"))});
-        ss = ldexp(ss, 2 * (e - en));
-        e = en;
-        const float sc = ${common.pow2_neg("e")};
-        for (uint k = 0; k < CB; ++k) {
-            const vec sq = (xs[k] * sc) * (xs[k] * sc);
-            ss += ${lanes_sum(vw, "sq")};
-        }
+    for (uint k = 0; k < CH; ++k) {
+        const uint j = t + k * TPR;
+        const vec v = (ok && j < dv) ? x[${at("x", "base + j")}] : (vec)(0.0f);
+% if cache:
+        xs[k] = v;
+% endif
+        const vec sq = v * v;
+        ss += ${lanes_sum(vw, "sq")};
     }
-    ${common.group_sum_scaled("total", "ss", "e", "row_scratch", "row_escratch", "t", tpr)}
-    ${common.inv_rms("inv", "total", "d", "eps")}
+    ${common.group_sum("total", "ss", "row_scratch", "t", tpr)}
+    // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
+    const float inv = 1.0f / sqrt(total / d + eps);
     if (!ok)
         return;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
-            y[${at("y", "base + j")}] = ${"xs[k]" if cache else "x[%s]" % at("x", "base + j")} * inv_sc * inv_iv * (w[${at("w", "j")}] + w_offset);
+            y[${at("y", "base + j")}] = ${"xs[k]" if cache else "x[%s]" % at("x", "base + j")} * inv * (w[${at("w", "j")}] + w_offset);
     }
     if (t == 0)
         inv_out[${at("inv_out", "row")}] = inv;
 }
 
-// dx = inv·w·dy − x·inv³/d·Σ dy·w·x  (written, not accumulated); eps only for d = 1.
-// Where inv is far from 1 (SCALED), x·inv³ and Σ dy·w·x can leave float32:
-// x is read as x·inv and dx = inv·w·dy − (x·inv)·inv/d·Σ dy·w·(x·inv).
+// dx = inv·w·dy − x·inv³/d·Σ dy·w·x  (written, not accumulated); eps only for d = 1
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __global const vec *restrict w,
                   __global const float *restrict inv, __global const vec *restrict dy, const idx_t n,
                   const uint dv, const float d, const float eps, const float w_offset${checked_args("dx", "x", "w", "inv", "dy")})
 {
     ${row_setup()}
-    const float iv = ok ? inv[${at("inv", "row")}] : 1.0f;
-    const float xs_scale = SCALED(iv) ? iv : 1.0f;
 % if cache:
     vec xs[CH], gs[CH];
 % endif
@@ -135,7 +102,7 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         const bool live = ok && j < dv;
-        const vec xv = live ? x[${at("x", "base + j")}] * xs_scale : (vec)(0.0f);
+        const vec xv = live ? x[${at("x", "base + j")}] : (vec)(0.0f);
         const vec gv = live ? dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset) : (vec)(0.0f);
 % if cache:
         xs[k] = xv;
@@ -147,6 +114,7 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
     ${common.group_sum("total", "s", "row_scratch", "t", tpr)}
     if (!ok)
         return;
+    const float iv = inv[${at("inv", "row")}];
 % if vw == 1:
     if (dv == 1) {
         // One column: inv·g·(1 − x²·inv²) cancels catastrophically in float; 1 − x²·inv² is eps·inv².
@@ -155,14 +123,14 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
         return;
     }
 % endif
-    const float coef = SCALED(iv) ? total / d * iv : total / d * iv * iv * iv;
+    const float coef = total / d * iv * iv * iv;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
 % if cache:
             dx[${at("dx", "base + j")}] = iv * gs[k] - xs[k] * coef;
 % else:
-            dx[${at("dx", "base + j")}] = iv * (dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset)) - (x[${at("x", "base + j")}] * xs_scale) * coef;
+            dx[${at("dx", "base + j")}] = iv * (dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset)) - x[${at("x", "base + j")}] * coef;
 % endif
     }
 }
@@ -181,12 +149,8 @@ void rms_norm_dw_partial(__global vec *restrict partial, __global const vec *res
     const idx_t r0 = (idx_t)get_group_id(1) * RB;
     const idx_t r1 = min(n, r0 + RB);
     vec acc = (vec)(0.0f);
-    for (idx_t r = r0; r < r1; ++r) {
-        // dy·x can leave float32 where inv is far from 1: then dy·(x·inv).
-        const float iv = inv[${at("inv", "r")}];
-        const bool scaled = SCALED(iv);
-        acc += dy[${at("dy", "r * dv + j")}] * (x[${at("x", "r * dv + j")}] * (scaled ? iv : 1.0f)) * (scaled ? 1.0f : iv);
-    }
+    for (idx_t r = r0; r < r1; ++r)
+        acc += dy[${at("dy", "r * dv + j")}] * x[${at("x", "r * dv + j")}] * inv[${at("inv", "r")}];
     partial[${at("partial", "(idx_t)get_group_id(1) * dv + j")}] = acc;
 }
 

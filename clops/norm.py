@@ -3,11 +3,6 @@
 ``y = x·inv·w_eff`` over the last axis of ``x [n, d]``, ``inv = 1/sqrt(mean(x²) + eps)``,
 ``w_eff = w`` or, with ``gemma=True``, ``1 + w``. Outputs must not overlap inputs.
 
-Range: any finite row is normalised right, also where ``x²`` leaves float32 (the kernels sum squares
-scaled by a power of two from the row's largest exponent). ``inv`` is 1/rms rounded to float32: a
-subnormal where rms > 2^126, inf where rms < 2^−128 (eps = 0). The backward and ``rms_norm_dw`` are
-right for every row whose ``inv`` is a normal float; a subnormal ``inv`` costs them precision.
-
 Tuning (``clops.tuning``; the specs ``ROWS`` and ``DW``), shape class ``{"d": d}``:
 
 - op ``"rms_norm"`` (``rms_norm`` and ``rms_norm_bwd``): ``wg`` work-items per group,
@@ -76,7 +71,7 @@ ROWS = Spec(
     "rms_norm", TEMPLATE, ("wg", "vw", "rpg"),
     lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
     heuristic_rows, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
-    local_bytes=lambda p, sc: 8 * p["wg"], render=_render_rows,  # a float and an exponent per work-item
+    local_bytes=lambda p, sc: 4 * p["wg"], render=_render_rows,
     doc="rms_norm and rms_norm_bwd: wg work-items per group, vw vector width, rpg rows per group")
 
 DW = Spec(

@@ -43,9 +43,8 @@ def heuristic(dev, sc):
 
 
 def local_bytes(p, sc):
-    """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch (a float and
-    an exponent per work-item)."""
-    return 4 * (p["upg"] * sc["hd"] + 2 * p["wg"])
+    """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch."""
+    return 4 * (p["upg"] * sc["hd"] + p["wg"])
 
 
 def _render(p, sc):
