@@ -255,6 +255,11 @@ class Kernel:
         self._lock = threading.Lock()
         self._typed = False
         self._local = {dims: self.local_size[:dims] for dims in (1, 2, 3)}
+        # PoCL 3.x's CPU driver aborts (pocl_release_dlhandle_cache) when one kernel runs on two queues
+        # at once at different grid widths (tools/pocl_dlhandle_repro.py): its launches on another
+        # queue than the last one wait for the last one.
+        self._one_queue = dev.platform.version.startswith("OpenCL 3.0 PoCL 3.")
+        self._last = None  # (queue, event) of the last launch, kept on PoCL 3.x only
         self.sites = list(sites)
         self._guarded = self._guarded_buffers() if params.get("checked") else None
 
@@ -289,7 +294,12 @@ class Kernel:
                 # them itself; untyped, setting them cost 60-70 µs a launch on NVIDIA's driver.
                 self.knl.set_scalar_arg_dtypes([None if isinstance(a, cl.MemoryObjectHolder) else a.dtype for a in args])
                 self._typed = True
+            if self._one_queue:
+                if self._last is not None and self._last[0] != queue:
+                    wait_for = list(wait_for or ()) + [self._last[1]]
             evt = self.knl(queue, global_size, self._local[len(global_size)], *args, wait_for=wait_for)
+            if self._one_queue:
+                self._last = (queue, evt)
         if observers:
             notify(queue, self, global_size, evt)
         if self._guarded is not None:
