@@ -54,7 +54,7 @@ def check_array(name, arr, queue, shape=None, ndim=None, dtype=_F32):
     context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions, when given)."""
     if (type(arr) is cla.Array and arr.dtype == dtype and arr.offset == 0 and arr.size
             and (shape is None or arr.shape == shape) and (ndim is None or arr.ndim == ndim)
-            and arr.flags.c_contiguous and arr.context == queue.context):
+            and arr.flags.c_contiguous and (arr.queue is queue or arr.context == queue.context)):
         return arr  # the common case, in one test; the checks below say what is wrong
     if not isinstance(arr, cla.Array):
         raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")

@@ -139,7 +139,7 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
                        [("q", q), ("k", k), ("v", v)])
     p, knl = FWD.kernels(queue, {"hd": hd}, idx=index_type(n * nh * hd))
     nqb = -(-window // p["bq"])
-    args = [q.data, k.data, v.data, out.data, lse.data, np.uint32(window), np.uint32(nh), np.uint32(nh // nkv),
+    args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data, np.uint32(window), np.uint32(nh), np.uint32(nh // nkv),
             np.float32(scale * LOG2E)]
     evt = knl["attention_fwd"](queue, (nh, windows, nqb), args, wait_for=events(wait_for, q, k, v, out, lse))
     hold([evt], q, k, v, out, lse)
@@ -373,19 +373,19 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     stored = [scratch(queue, floats, allocator)] if store_ds else []  # dS
     rows = n * nh
     e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // pk["lanes"])),),
-                                    [o.data, do.data, dsum, np.uint32(rows)],
+                                    [o.base_data, do.base_data, dsum, np.uint32(rows)],
                                     wait_for=events(wait_for, o, do))
     geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
     coefs = [np.float32(scale * LOG2E), np.float32(scale)]
-    ins = [q.data, k.data, v.data, do.data, lse.data, dsum]
+    ins = [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data, dsum]
     e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,),
-                                  ins + [dk.data, dv.data] + stored + geom + coefs,
+                                  ins + [dk.base_data, dv.base_data] + stored + geom + coefs,
                                   wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv))
     q_groups = (-(-window // pq["bq"]) * windows * nh,)
     if store_ds:
-        e_q = q_knl(queue, q_groups, [k.data, stored[0], dq.data] + geom, wait_for=[e_kv] + events(None, dq))
+        e_q = q_knl(queue, q_groups, [k.base_data, stored[0], dq.base_data] + geom, wait_for=[e_kv] + events(None, dq))
     else:
-        e_q = q_knl(queue, q_groups, ins + [dq.data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
+        e_q = q_knl(queue, q_groups, ins + [dq.base_data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
     # on an out-of-order queue dQ (recomputed) may finish before dK/dV: both are waited for
     hold([e_kv, e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, *stored)
     wrote([e_kv], dk, dv)

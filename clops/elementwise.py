@@ -34,7 +34,7 @@ def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
     idx = index_type(n + p["wg"] * p["ept"] * p["vw"])
     _, knl = SPEC.kernels(queue, {}, idx=idx)
     itype = index_scalar(idx)
-    args = [a.data for a in (*outs, *ins, *gathers)] + [itype(n)]
+    args = [a.base_data for a in (*outs, *ins, *gathers)] + [itype(n)]
     args += [itype(s) if isinstance(s, int) else np.float32(s) for s in scalars]
     evt = knl[name](queue, (-(-n // (p["wg"] * p["ept"] * p["vw"])),), args,
                     wait_for=events(wait_for, *outs, *ins, *gathers))

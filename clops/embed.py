@@ -56,7 +56,7 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
     invalid = _invalid(queue, invalid)
     (out,) = outputs(queue, allocator, [("out", out, (n, d))], [("table", table), ("ids", ids), ("invalid", invalid)])
     wg, knl = _kernels(queue, invalid, n * d, vocab * d)
-    evt = knl["embedding_fwd"](queue, (n,), [out.data, table.data, ids.data] + ([invalid.data] if invalid is not None else [])
+    evt = knl["embedding_fwd"](queue, (n,), [out.base_data, table.base_data, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
                                + [np.uint32(vocab), np.uint32(d)], wait_for=events(wait_for, out, table, ids, invalid))
     hold([evt], out, table, ids, invalid)
     if invalid is not None:
@@ -84,7 +84,7 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
     block = 2 * wg
     padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
     keys = scratch(queue, 2 * padded, allocator)  # ulong keys
-    evts = [knl["embedding_keys"](queue, (padded // wg,), [keys, ids.data] + ([invalid.data] if invalid is not None else [])
+    evts = [knl["embedding_keys"](queue, (padded // wg,), [keys, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
                                   + [np.uint32(n), np.uint32(vocab)], wait_for=events(wait_for, ids, invalid))]
 
     def sort(name, groups, *sizes):  # each pass waits on the one before
@@ -99,7 +99,7 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
             stride //= 2
         sort("bitonic_block", padded // block, size, size)
         size *= 2
-    evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.data, dout.data, keys, np.uint32(padded), np.uint32(d),
+    evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.base_data, dout.base_data, keys, np.uint32(padded), np.uint32(d),
                                                         np.int32(accumulate)],
                                       wait_for=evts[-1:] + events(None, dtable, dout))
     hold([evt], keys, ids, dout, dtable, invalid)

@@ -67,7 +67,7 @@ def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=
     loss, lse = outputs(queue, allocator, [("loss", loss, (n,)), ("lse", lse, (n,))],
                         [("logits", logits), ("targets", targets)])
     knl = _kernel(queue, "cross_entropy_fwd", n, vocab, cap)
-    evt = knl(queue, (n,), [loss.data, lse.data, logits.data, targets.data, np.uint32(vocab), np.int32(ignore_index),
+    evt = knl(queue, (n,), [loss.base_data, lse.base_data, logits.base_data, targets.base_data, np.uint32(vocab), np.int32(ignore_index),
                             np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, loss, lse, logits, targets))
     hold([evt], loss, lse, logits, targets)
@@ -88,7 +88,7 @@ def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, 
                          [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
                          in_place=("logits",))
     knl = _kernel(queue, "cross_entropy_bwd", n, vocab, cap)
-    evt = knl(queue, (n,), [dlogits.data, logits.data, targets.data, lse.data, dloss.data, np.uint32(vocab),
+    evt = knl(queue, (n,), [dlogits.base_data, logits.base_data, targets.base_data, lse.base_data, dloss.base_data, np.uint32(vocab),
                             np.int32(ignore_index), np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, dlogits, logits, targets, lse, dloss))
     hold([evt], dlogits, logits, targets, lse, dloss)

@@ -117,7 +117,7 @@ def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for
     check_array("w", w, queue, shape=(d,))
     y, inv = outputs(queue, allocator, [("out", out, (n, d)), ("inv", inv, (n,))], [("x", x), ("w", w)])
     knl, groups, sizes = _row_kernel(queue, "rms_norm_fwd", n, d)
-    evt = knl(queue, groups, [y.data, inv.data, x.data, w.data, *sizes, eps, gain_offset(gemma)],
+    evt = knl(queue, groups, [y.base_data, inv.base_data, x.base_data, w.base_data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, y, inv, x, w))
     hold([evt], y, inv, x, w)
     return wrote([evt], y, inv)
@@ -137,7 +137,7 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
     check_array("dy", dy, queue, shape=(n, d))
     (dx,) = outputs(queue, allocator, [("dx", dx, (n, d))], [("x", x), ("w", w), ("inv", inv), ("dy", dy)])
     knl, groups, sizes = _row_kernel(queue, "rms_norm_bwd", n, d)
-    evt = knl(queue, groups, [dx.data, x.data, w.data, inv.data, dy.data, *sizes, eps, gain_offset(gemma)],
+    evt = knl(queue, groups, [dx.base_data, x.base_data, w.base_data, inv.base_data, dy.base_data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, dx, x, w, inv, dy))
     hold([evt], dx, x, w, inv, dy)
     return wrote([evt], dx)[0]
@@ -149,7 +149,7 @@ def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None):
     p = DW.params(queue.device, sc)
     _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]))
     return knl["column_sum"](queue, (-(-cols // p["wg"]),),
-                             [dw.data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
+                             [dw.base_data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
                              wait_for=events(wait_for, dw))
 
 
@@ -169,7 +169,7 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     partial = scratch(queue, blocks * d, allocator)  # per-block column sums
     dv = d // p["vw"]
     evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),
-                                     [partial, x.data, inv.data, dy.data, index_scalar(idx)(n), np.uint32(dv)],
+                                     [partial, x.base_data, inv.base_data, dy.base_data, index_scalar(idx)(n), np.uint32(dv)],
                                      wait_for=events(wait_for, x, inv, dy))
     done = column_sum(queue, partial, blocks, d, dw, accumulate, wait_for=[evt])
     hold([done], partial, dw, x, inv, dy)

@@ -51,7 +51,7 @@ def adamw(queue, p, g, m, v, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8, weig
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     scalars = [index_scalar(idx)(n)] + [np.float32(x) for x in (1.0 - lr * weight_decay, 1.0 - beta1, beta2,
                                                                  1.0 - beta2, lr / bc1, math.sqrt(bc2), eps)]
-    evt = knl["adamw"](queue, (-(-n // (pr["wg"] * pr["ept"] * pr["vw"])),), [p.data, m.data, v.data, g.data] + scalars,
+    evt = knl["adamw"](queue, (-(-n // (pr["wg"] * pr["ept"] * pr["vw"])),), [p.base_data, m.base_data, v.base_data, g.base_data] + scalars,
                        wait_for=events(wait_for, p, m, v, g))
     hold([evt], p, m, v, g)
     return wrote([evt], p, m, v)

@@ -125,7 +125,7 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=No
     y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads))],
                      [("x", x), ("w", w), ("rope", rope)])
     p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half)
-    args = [y.data, inv.data, x.data, w.data] + ([rope.data] if half else [])
+    args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
     args += [units, np.uint32(heads), np.uint32(window), eps, gain_offset(gemma)]
     evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope))
     hold([evt], y, inv, x, w, rope)
@@ -149,8 +149,8 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
     p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half)
     blocks = -(-int(units) // p["rb"])
     partial = scratch(queue, blocks * hd, allocator)  # per-block column sums
-    args = [dx.data, partial, x.data, w.data, inv.data] + ([rope.data] if half else [])
-    args += [dy.data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
+    args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
+    args += [dy.base_data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
     evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
     done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt])
     hold([done], partial, dx, dw, x, w, inv, rope, dy)
