@@ -56,6 +56,9 @@
     nacc = 2 if kind == "dkv" and split == 1 else 1  # accumulator matrices per work-item
     nc2 = hd // td                                 # work-items across head-dim columns in step 2
     nr2 = rows // tr
+    # The layouts below arrange work-items for 32-wide warps (coalesced loads on NVIDIA). That is
+    # speed only: every exchange between work-items goes through local memory and a barrier, so
+    # results do not depend on the device's sub-group width.
     w1 = math.gcd(nc2, 8)                          # step-2 columns of a 32-wide warp...
     h1 = math.gcd(nr2, 32 // w1)                   # ...and its rows
     tdv = td // vw
