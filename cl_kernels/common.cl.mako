@@ -52,3 +52,28 @@ ulong clops_guard(ulong i, ulong width, ulong len, uint site, __global uint *err
 }
 % endif
 </%def>
+
+## bfloat16 storage (ushort bits; the helpers load/store of clops.program write
+## the calls): widening is exact (the bits become a float's upper half);
+## narrowing rounds to nearest even by integer ops, NaN stays a (quiet) NaN and
+## ±Inf stays ±Inf. `${common.storage(st, ...)}\` once, before the kernels,
+## naming every storage type the template uses; it renders nothing unless one
+## is "bf16".
+<%def name="storage(*types)">\
+% if "bf16" in types:
+float clops_bf16_to_float(ushort h) { return as_float((uint)h << 16); }
+ushort clops_float_to_bf16(float f)
+{
+    const uint u = as_uint(f);
+    return isnan(f) ? (ushort)((u >> 16) | 0x40u) : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+%   for n in (2, 4, 8, 16):
+float${n} clops_bf16_to_float${n}(ushort${n} h) { return as_float${n}(convert_uint${n}(h) << 16); }
+ushort${n} clops_float${n}_to_bf16(float${n} f)
+{
+    const uint${n} u = as_uint${n}(f);
+    return convert_ushort${n}(select((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, (u >> 16) | 0x40u, isnan(f)));
+}
+%   endfor
+% endif
+</%def>

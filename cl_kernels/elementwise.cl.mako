@@ -1,40 +1,43 @@
 // clops elementwise family: SwiGLU and its clamped / row-weighted / column-gated
 // forms, the sigmoid output gate, add.
 //
-// Layout: flat float32 arrays of n elements; row/column ops see them as
+// Layout: flat arrays of n elements of storage type ST (float, half or bf16;
+// math is float32, loads widen, stores round to nearest even); row/column ops see them as
 // [n / width, width] row-major. Work item g of group b handles EPT vectors of
 // VW floats at (b·WG·EPT + g)·VW + k·WG·VW, k < EPT, so each of the EPT
 // steps of a group reads one contiguous run of WG·VW floats. A vector that
 // would cross n is done element by element (the tail).
 //
 // Parameters: WG work-items per group, VW vector width, EPT vectors per work
-// item, IDX the index type (uint when every index fits 32 bits, else ulong).
+// item, IDX the index type (uint when every index fits 32 bits, else ulong), ST
+// the activations' storage type, GST that of the gathered gate / row weight.
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define VW ${vw}
 #define EPT ${ept}
 typedef ${idx} idx_t;
 ${common.guards()}\
+${common.storage(st, gst)}\
 
 ## One kernel: `outs` written, `ins` read with the same index, `gathers`
 ## (name, index expression over element index {e}) read per element,
 ## `body(T)` the math on values of type T (float or floatN).
 <%def name="kernel(name, outs, ins, body, gathers=(), scalars=())">
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] + ["__global const float *restrict %s_in" % i for i in ins] + ["__global const float *restrict %s_src" % g for g, _ in gathers] + ["const idx_t n"] + list(scalars))}${checked_args(*["%s_out" % o for o in outs], *["%s_in" % i for i in ins], *["%s_src" % g for g, _ in gathers])})
+void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o in outs] + ["__global const %s *restrict %s_in" % (ctype(st), i) for i in ins] + ["__global const %s *restrict %s_src" % (ctype(gst), g) for g, _ in gathers] + ["const idx_t n"] + list(scalars))}${checked_args(*["%s_out" % o for o in outs], *["%s_in" % i for i in ins], *["%s_src" % g for g, _ in gathers])})
 {
     const idx_t first = ((idx_t)get_group_id(0) * (WG * EPT) + (idx_t)get_local_id(0)) * VW;
     for (int k = 0; k < EPT; ++k) {
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
 % for x in ins:
-            ${vtype(vw)} ${x} = ${vload(vw, x + "_in", at(x + "_in", "i", vw))};
+            ${vtype(vw)} ${x} = ${load(st, vw, x + "_in", at(x + "_in", "i", vw))};
 % endfor
 % for g, expr in gathers:
 %   if vw == 1:
-            float ${g} = ${g}_src[${at(g + "_src", expr.format(e="i"))}];
+            float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", expr.format(e="i")))};
 %   else:
-            ${vtype(vw)} ${g} = (${vtype(vw)})(${", ".join("%s_src[%s]" % (g, at(g + "_src", expr.format(e="(i + %d)" % l))) for l in range(vw))});
+            ${vtype(vw)} ${g} = (${vtype(vw)})(${", ".join(load(gst, 1, g + "_src", at(g + "_src", expr.format(e="(i + %d)" % l))) for l in range(vw))});
 %   endif
 % endfor
 % for o in outs:
@@ -42,22 +45,22 @@ void ${name}(${", ".join(["__global float *restrict %s_out" % o for o in outs] +
 % endfor
             ${body(vtype(vw))}
 % for o in outs:
-            ${vstore(vw, o, o + "_out", at(o + "_out", "i", vw))};
+            ${store(st, vw, o, o + "_out", at(o + "_out", "i", vw))};
 % endfor
         } else {
             for (idx_t j = i; j < n; ++j) {
 % for x in ins:
-                float ${x} = ${x}_in[${at(x + "_in", "j")}];
+                float ${x} = ${load(st, 1, x + "_in", at(x + "_in", "j"))};
 % endfor
 % for g, expr in gathers:
-                float ${g} = ${g}_src[${at(g + "_src", expr.format(e="j"))}];
+                float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", expr.format(e="j")))};
 % endfor
 % for o in outs:
                 float ${o};
 % endfor
                 ${body("float")}
 % for o in outs:
-                ${o}_out[${at(o + "_out", "j")}] = ${o};
+                ${store(st, 1, o, o + "_out", at(o + "_out", "j"))};
 % endfor
             }
         }

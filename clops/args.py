@@ -25,6 +25,7 @@ import warnings
 import weakref
 from decimal import Decimal
 
+import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -46,20 +47,32 @@ def check_queue(queue):
         raise TypeError(f"queue: expected a pyopencl.CommandQueue, got {type(queue).__name__}")
 
 
-_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
+# The storage dtypes of activations (math is float32 in every kernel) and their template names.
+FLOATS = (F32, np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_STORAGE = dict(zip(FLOATS, ("float", "half", "bf16")))
 
 
-def check_array(name, arr, queue, shape=None, ndim=None, dtype=_F32):
-    """Require a C-contiguous ``pyopencl.array.Array`` of ``dtype`` (float32 unless told) on ``queue``'s
-    context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions, when given)."""
-    if (type(arr) is cla.Array and arr.dtype == dtype and arr.offset == 0 and arr.size
+def storage(dtype):
+    """The template's storage type name of a float dtype of :data:`FLOATS`."""
+    return _STORAGE[dtype]
+
+
+def check_array(name, arr, queue, shape=None, ndim=None, dtype=F32, like=None):
+    """Require a C-contiguous ``pyopencl.array.Array`` of ``dtype`` (float32 unless told; a tuple: any
+    of them) on ``queue``'s context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions,
+    when given). ``like`` names the argument whose dtype ``dtype`` is, for the error message."""
+    if (type(arr) is cla.Array and (arr.dtype == dtype if type(dtype) is not tuple else arr.dtype in dtype)
+            and arr.offset == 0 and arr.size
             and (shape is None or arr.shape == shape) and (ndim is None or arr.ndim == ndim)
             and arr.flags.c_contiguous and (arr.queue is queue or arr.context == queue.context)):
         return arr  # the common case, in one test; the checks below say what is wrong
     if not isinstance(arr, cla.Array):
         raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")
-    if arr.dtype != dtype:
-        raise TypeError(f"{name}: dtype must be {dtype}, got {arr.dtype}")
+    allowed = dtype if type(dtype) is tuple else (dtype,)
+    if arr.dtype not in allowed:
+        raise TypeError(f"{name}: dtype must be {' or '.join(map(str, allowed))}"
+                        f"{f' (that of {like})' if like else ''}, got {arr.dtype}")
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
     if shape is not None and tuple(arr.shape) != tuple(shape):
@@ -127,10 +140,10 @@ def _buffer(queue, nbytes, allocator):
     return buf, alloc
 
 
-def new_array(queue, shape, allocator):
-    """A new float32 array of ``shape`` from ``allocator`` (or the context's pool), its buffer checked."""
-    buf, alloc = _buffer(queue, 4 * int(np.prod(shape)), allocator)
-    return cla.Array(queue, tuple(shape), np.float32, allocator=alloc, data=buf)
+def new_array(queue, shape, allocator, dtype=F32):
+    """A new array of ``shape`` and ``dtype`` from ``allocator`` (or the context's pool), its buffer checked."""
+    buf, alloc = _buffer(queue, dtype.itemsize * int(np.prod(shape)), allocator)
+    return cla.Array(queue, tuple(shape), dtype, allocator=alloc, data=buf)
 
 
 def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
@@ -138,9 +151,9 @@ def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
     to check), or ``arr`` a numpy array whose values are checked here (each in ``[0, below)`` or
     equal to ``also``) and copied to the device without waiting (a copy of it is held until then)."""
     if not isinstance(arr, np.ndarray):
-        return check_array(name, arr, queue, shape=shape, dtype=_I32)
+        return check_array(name, arr, queue, shape=shape, dtype=I32)
     check_allocator(allocator)
-    if arr.dtype != _I32:
+    if arr.dtype != I32:
         raise TypeError(f"{name}: dtype must be int32, got {arr.dtype}")
     if arr.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
@@ -153,26 +166,28 @@ def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
                          + (f" and is not {also}" if also is not None else ""))
     host = np.ascontiguousarray(arr).copy()  # the caller may change arr before the copy runs
     buf, alloc = _buffer(queue, host.nbytes, allocator)
-    dev = cla.Array(queue, host.shape, _I32, allocator=alloc, data=buf)
+    dev = cla.Array(queue, host.shape, I32, allocator=alloc, data=buf)
     evt = cl.enqueue_copy(queue, buf, host, is_blocking=False)
     hold([evt], host)
     dev.events = [evt]
     return dev
 
 
-def outputs(queue, allocator, given, inputs, in_place=()):
-    """An op's outputs, in order: ``given`` is ((name, array or None, shape), ...); the arrays given
-    are checked (type, shape, no overlap with ``inputs`` ((name, array or None), ...) or each other,
-    see :func:`check_disjoint`), the others are new (:func:`new_array`)."""
+def outputs(queue, allocator, given, inputs, in_place=(), dtype=F32):
+    """An op's outputs, in order: ``given`` is ((name, array or None, shape[, dtype]), ...), of
+    ``dtype`` unless the entry says; the arrays given are checked (type, dtype, shape, no overlap
+    with ``inputs`` ((name, array or None), ...) or each other, see :func:`check_disjoint`), the
+    others are new (:func:`new_array`)."""
     check_allocator(allocator)
     _calls[0] += 1
     if _calls[0] % POLL_EVERY == 0:  # a status query costs about a microsecond: not every call
         _release_completed()
-    for name, arr, shape in given:
+    for name, arr, shape, *dt in given:
         if arr is not None:
-            check_array(name, arr, queue, shape=shape)
-    check_disjoint([(name, arr) for name, arr, _ in given], inputs, in_place)
-    return [arr if arr is not None else new_array(queue, shape, allocator) for _, arr, shape in given]
+            check_array(name, arr, queue, shape=shape, dtype=dt[0] if dt else dtype)
+    check_disjoint([(g[0], g[1]) for g in given], inputs, in_place)
+    return [g[1] if g[1] is not None else new_array(queue, g[2], allocator, g[3] if len(g) > 3 else dtype)
+            for g in given]
 
 
 def scratch(queue, floats, allocator):

@@ -1,6 +1,9 @@
 """Elementwise ops: SwiGLU (plain, clamped/scaled/row-weighted, column-gated),
 the sigmoid output gate and add. Template: ``elementwise.cl.mako``.
 
+Inputs and outputs share one float dtype (float32, float16 or bfloat16: storage; the math is
+float32); ``gate`` and ``row_weight`` may be float32 or that dtype.
+
 An output may be given as one of the same-shaped inputs (``out=a``: in place); it may
 not overlap another input, a gathered vector (``gate``, ``row_weight``) or another output."""
 from __future__ import annotations
@@ -8,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import check_array, check_queue, events, finite_float, hold, index_scalar, index_type, outputs, wrote
+from .args import (F32, FLOATS, check_array, check_queue, events, finite_float, hold, index_scalar, index_type,
+                   outputs, storage, wrote)
 from .spec import Spec
 
 def heuristic(dev, sc):
@@ -22,6 +26,7 @@ SPEC = Spec(
     "elementwise", "elementwise.cl.mako", ("wg", "vw", "ept"),
     lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "ept": [1, 2, 4, 8, 16]},
     heuristic, rules=lambda p, sc: ((p["vw"] in (1, 2, 4, 8, 16), "vw must be 1, 2, 4, 8 or 16"),),
+    render=lambda p, sc: dict(p, st="float", gst="float"),  # storage types: each call passes its own
     doc="wg work-items per group, vw vector width, ept vectors per work-item")
 
 
@@ -32,7 +37,8 @@ IN_PLACE = ("a", "b", "dc")
 def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
     p = SPEC.params(queue.device, {})
     idx = index_type(n + p["wg"] * p["ept"] * p["vw"])
-    _, knl = SPEC.kernels(queue, {}, idx=idx)
+    _, knl = SPEC.kernels(queue, {}, idx=idx, st=storage(ins[0].dtype),
+                          gst=storage(gathers[0].dtype) if gathers else "float")
     itype = index_scalar(idx)
     args = [a.base_data for a in (*outs, *ins, *gathers)] + [itype(n)]
     args += [itype(s) if isinstance(s, int) else np.float32(s) for s in scalars]
@@ -43,19 +49,24 @@ def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
 
 
 def _same_shape(queue, first, **named):
-    """Check the first array, then every other against its shape."""
+    """Check the first array (a float dtype), then every other against its shape and dtype."""
     name0, a0 = first
-    check_array(name0, a0, queue)
+    check_array(name0, a0, queue, dtype=FLOATS)
     for name, arr in named.items():
-        check_array(name, arr, queue, shape=a0.shape)
+        check_array(name, arr, queue, shape=a0.shape, dtype=a0.dtype, like=name0)
     return a0.shape
+
+
+def _gathered(name, arr, queue, a, length):
+    """A gathered vector (gate, row_weight): float32 or ``a``'s dtype, of ``length``."""
+    return check_array(name, arr, queue, shape=(length,), dtype=(a.dtype, F32) if a.dtype != F32 else F32)
 
 
 def _binary(queue, kernel, a, b, out, wait_for, allocator):
     """``out = f(a, b)`` for a kernel of two same-shaped inputs."""
     check_queue(queue)
     shape = _same_shape(queue, ("a", a), b=b)
-    (out,) = outputs(queue, allocator, [("out", out, shape)], [("a", a), ("b", b)], IN_PLACE)
+    (out,) = outputs(queue, allocator, [("out", out, shape)], [("a", a), ("b", b)], IN_PLACE, a.dtype)
     return _launch(queue, kernel, [out], [a, b], a.size, wait_for=wait_for)[0]
 
 
@@ -64,7 +75,7 @@ def _binary_bwd(queue, kernel, a, b, dc, da, db, wait_for, allocator):
     check_queue(queue)
     shape = _same_shape(queue, ("a", a), b=b, dc=dc)
     da, db = outputs(queue, allocator, [("da", da, shape), ("db", db, shape)], [("a", a), ("b", b), ("dc", dc)],
-                     IN_PLACE)
+                     IN_PLACE, a.dtype)
     return _launch(queue, kernel, [da, db], [a, b, dc], a.size, wait_for=wait_for)
 
 
@@ -85,12 +96,12 @@ def swiglu_limit(queue, a, b, *, limit, scale=1.0, row_weight=None, out=None, wa
     """
     check_queue(queue)
     limit, scale = finite_float("limit", limit), finite_float("scale", scale)
-    check_array("a", a, queue, ndim=2)
-    check_array("b", b, queue, shape=a.shape)
+    check_array("a", a, queue, ndim=2, dtype=FLOATS)
+    check_array("b", b, queue, shape=a.shape, dtype=a.dtype, like="a")
     if row_weight is not None:
-        check_array("row_weight", row_weight, queue, shape=(a.shape[0],))
+        _gathered("row_weight", row_weight, queue, a, a.shape[0])
     (out,) = outputs(queue, allocator, [("out", out, a.shape)], [("a", a), ("b", b), ("row_weight", row_weight)],
-                     IN_PLACE)
+                     IN_PLACE, a.dtype)
     if row_weight is None:
         return _launch(queue, "swiglu_limit_fwd", [out], [a, b], a.size, (limit, scale), wait_for=wait_for)[0]
     return _launch(queue, "swiglu_limit_rows_fwd", [out], [a, b], a.size, (limit, scale, a.shape[1]),
@@ -100,14 +111,15 @@ def swiglu_limit(queue, a, b, *, limit, scale=1.0, row_weight=None, out=None, wa
 def _gated_checks(queue, a, gate, **same):
     check_queue(queue)
     shape = _same_shape(queue, ("a", a), **same)
-    check_array("gate", gate, queue, shape=(shape[-1],))
+    _gathered("gate", gate, queue, a, shape[-1])
     return shape
 
 
 def swiglu_gated(queue, a, b, gate, *, out=None, wait_for=None, allocator=None):
     """``c = silu(a)·b·gate[col]``, ``gate`` of the last dimension's length."""
     shape = _gated_checks(queue, a, gate, b=b)
-    (out,) = outputs(queue, allocator, [("out", out, shape)], [("a", a), ("b", b), ("gate", gate)], IN_PLACE)
+    (out,) = outputs(queue, allocator, [("out", out, shape)], [("a", a), ("b", b), ("gate", gate)], IN_PLACE,
+                     a.dtype)
     return _launch(queue, "swiglu_gated_fwd", [out], [a, b], a.size, (shape[-1],), gathers=[gate],
                    wait_for=wait_for)[0]
 
@@ -116,7 +128,7 @@ def swiglu_gated_bwd(queue, a, b, gate, dc, *, da=None, db=None, wait_for=None, 
     """``(da, db)`` of ``swiglu_gated`` given ``dc``."""
     shape = _gated_checks(queue, a, gate, b=b, dc=dc)
     da, db = outputs(queue, allocator, [("da", da, shape), ("db", db, shape)],
-                     [("a", a), ("b", b), ("dc", dc), ("gate", gate)], IN_PLACE)
+                     [("a", a), ("b", b), ("dc", dc), ("gate", gate)], IN_PLACE, a.dtype)
     return tuple(_launch(queue, "swiglu_gated_bwd", [da, db], [a, b, dc], a.size, (shape[-1],), gathers=[gate],
                          wait_for=wait_for))
 

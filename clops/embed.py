@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import (_I32, check_array, check_queue, events, hold, index_array, index_type, outputs, positive_int,
+from .args import (I32, check_array, check_queue, events, hold, index_array, index_type, outputs, positive_int,
                    scratch, wrote)
 from .spec import Spec
 
@@ -33,7 +33,7 @@ SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64
 
 def _invalid(queue, invalid):
     if invalid is not None:
-        check_array("invalid", invalid, queue, shape=(1,), dtype=_I32)
+        check_array("invalid", invalid, queue, shape=(1,), dtype=I32)
     return invalid
 
 

@@ -69,8 +69,37 @@ def vstore(vw, val, ptr, idx):
     return f"{ptr}[{idx}] = {val}" if vw == 1 else f"vstore{vw}({val}, 0, {ptr} + ({idx}))"
 
 
+# Storage types: what a buffer holds ("float", "half", "bf16"); math is float32 always. A half
+# buffer is only touched through vload_half / vstore_half*_rte (core OpenCL: no cl_khr_fp16), a
+# bf16 one as ushort bits through common.cl.mako's storage() helpers.
+def ctype(st):
+    """The OpenCL element type of a buffer of storage type ``st`` (pointers are declared with it)."""
+    return {"float": "float", "half": "half", "bf16": "ushort"}[st]
+
+
+def load(st, vw, ptr, idx):
+    """``vw`` elements of storage type ``st`` at element ``idx`` of ``ptr``, widened to float(vw)."""
+    if st == "float":
+        return vload(vw, ptr, idx)
+    if st == "half":
+        return f"vload_half({idx}, {ptr})" if vw == 1 else f"vload_half{vw}(0, {ptr} + ({idx}))"
+    n = "" if vw == 1 else vw
+    return f"clops_bf16_to_float{n}({ptr}[{idx}])" if vw == 1 else f"clops_bf16_to_float{n}(vload{vw}(0, {ptr} + ({idx})))"
+
+
+def store(st, vw, val, ptr, idx):
+    """Round float(vw) ``val`` to nearest even in storage type ``st`` and store it at element ``idx``."""
+    if st == "float":
+        return vstore(vw, val, ptr, idx)
+    if st == "half":
+        return f"vstore_half_rte({val}, {idx}, {ptr})" if vw == 1 else f"vstore_half{vw}_rte({val}, 0, {ptr} + ({idx}))"
+    if vw == 1:
+        return f"{ptr}[{idx}] = clops_float_to_bf16({val})"
+    return f"vstore{vw}(clops_float{vw}_to_bf16({val}), 0, {ptr} + ({idx}))"
+
+
 # String helpers every template sees beside its parameters.
-_HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore}
+_HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore, "ctype": ctype, "load": load, "store": store}
 
 
 def _guard_helpers(checked, sites):

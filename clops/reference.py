@@ -5,6 +5,7 @@ argument names follow the device API (``clops/__init__.py``).
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .args import finite_float, positive_int
@@ -204,6 +205,30 @@ def attention_bwd(q, k, v, o, lse, do, *, window, scale=None):
 def rnd(shape, seed, scale=1.0):
     """Seeded float32 data, uniform in [−scale, scale) (the seed's tests' distribution)."""
     return np.random.default_rng(seed).uniform(-scale, scale, size=shape).astype(np.float32)
+
+
+def ulp(x, dtype):
+    """The spacing of ``dtype`` (float16, bfloat16, float32) at each |x| (x float64; subnormals: the
+    smallest spacing)."""
+    fi = ml_dtypes.finfo(dtype)
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(x))  # −inf at 0: the subnormal spacing below
+    return np.exp2(np.maximum(e, fi.minexp) - fi.nmant)
+
+
+def ulps_off(got, want, dtype, scale=None):
+    """Largest |got − round(want)| over ``dtype``'s spacing, where round(want) is ``want`` rounded once
+    to ``dtype``; the spacing is taken at round(want), or at ``scale`` (an array broadcast against it:
+    "relative to the row's scale") when given. Non-finite values must match exactly (NaN as NaN)."""
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want, dtype=np.float64).astype(dtype).astype(np.float64)
+    finite = np.isfinite(want)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    if not same[~finite].all():
+        return np.inf
+    spacing = ulp(want if scale is None else np.broadcast_to(scale, want.shape), dtype)
+    return float(np.max(np.abs(got - want)[finite] / spacing[finite], initial=0.0))
 
 
 def rel_err(got, want):

@@ -1,5 +1,6 @@
 """Elementwise parity at sizes that exercise the tail (1, odd, not a multiple of the vector width,
 one element past a work-group's span), and launch-parameter variants through the tuning override."""
+import ml_dtypes
 import numpy as np
 import pyopencl.array as cla
 import pytest
@@ -81,3 +82,66 @@ def test_outputs_written_into_given_arrays(queue):
     out = cla.empty(queue, (4, 9), np.float32)
     assert clops.add(queue, A, B, out=out) is out
     np.testing.assert_allclose(out.get(), a + b, rtol=1e-7)
+
+
+# ---- float16 / bfloat16 storage: float32 math, one rounding to nearest even per stored element ----
+
+NARROW = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+@pytest.mark.parametrize("n", [5, 4097])
+def test_narrow_storage_within_one_ulp(queue, dtype, n):
+    """Every elementwise op at 16-bit storage, against the float64 result of the same (rounded)
+    inputs rounded once: within 1 ulp of the storage type, element by element (vector body and tail)."""
+    a, b, dc = (rnd(n, s, 4.0).astype(dtype) for s in (1, 2, 3))
+    rows, width = 1, n
+    gate, rw = rnd(width, 7, 1.0).astype(dtype), rnd(rows, 8, 1.0)  # row_weight float32: either is allowed
+    A, B, DC, G, RW = to_device(queue, a, b, dc, gate, rw)
+    A2, B2, DC2 = (x.reshape(rows, width) for x in (A, B, DC))
+    a2, b2, dc2 = (x.reshape(rows, width) for x in (a, b, dc))
+    cases = [(clops.swiglu(queue, A, B), ref.swiglu(a, b)), (clops.sigmoid_gate(queue, A, B), ref.sigmoid_gate(a, b)),
+             (clops.add(queue, A, B), ref.add(a, b)),
+             (clops.swiglu_gated(queue, A2, B2, G), ref.swiglu_gated(a2, b2, gate)),
+             (clops.swiglu_limit(queue, A2, B2, limit=2.0, scale=0.5, row_weight=RW),
+              ref.swiglu_limit(a2, b2, limit=2.0, scale=0.5, row_weight=rw))]
+    for fn, rfn in ((clops.swiglu_bwd, ref.swiglu_bwd), (clops.sigmoid_gate_bwd, ref.sigmoid_gate_bwd)):
+        cases += zip(fn(queue, A, B, DC), rfn(a, b, dc))
+    cases += zip(clops.swiglu_gated_bwd(queue, A2, B2, G, DC2), ref.swiglu_gated_bwd(a2, b2, gate, dc2))
+    for got, want in cases:
+        assert got.dtype == dtype
+        assert ref.ulps_off(got.get(), want, dtype) <= 1
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_narrow_rounding_is_to_nearest_even(queue, dtype):
+    """``add``'s float32 sum stored as numpy rounds it, bit for bit: ties to even, overflow to ±Inf
+    (float16: from 65520, the tie above the largest half), subnormals, NaN and ±Inf kept."""
+    fi = ml_dtypes.finfo(dtype)
+    tiny, eps, big = float(fi.smallest_subnormal), float(fi.eps), float(fi.max)  # big + 2**(…): the tie above it
+    a = np.array([1, 1, 1, -1, big, -big, big, tiny, 3 * tiny, 0, np.nan, np.inf, -np.inf, 2, 7],
+                 np.float32)
+    b = np.array([eps / 2, 3 * eps / 2, eps / 4, -eps / 2, 2.0 ** (fi.maxexp - fi.nmant - 2), -big, 0, tiny, -tiny,
+                  -0.0, 1, 1, 1, np.nan, -np.inf], np.float32)
+    a, b = a.astype(dtype), b.astype(dtype)
+    A, B = to_device(queue, a, b)
+    with np.errstate(over="ignore"):
+        want = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
+    got = clops.add(queue, A, B).get()
+    nan = np.isnan(want)  # NaN payloads are the device's
+    assert (np.isnan(got) == nan).all() and got[~nan].tobytes() == want[~nan].tobytes(), (got, want)
+    assert np.isinf(got[4:6]).all() and got[11] == np.inf and got[12] == -np.inf
+
+
+def test_mixed_dtypes_are_refused(queue):
+    a = cla.to_device(queue, rnd(8, 1).astype(ml_dtypes.bfloat16))
+    b = cla.to_device(queue, rnd(8, 2))
+    h = cla.to_device(queue, rnd(8, 3).astype(np.float16))
+    with pytest.raises(TypeError, match=r"b: dtype must be bfloat16 \(that of a\), got float32"):
+        clops.add(queue, a, b)
+    with pytest.raises(TypeError, match="gate: dtype must be bfloat16 or float32, got float16"):
+        clops.swiglu_gated(queue, a.reshape(1, 8), a.reshape(1, 8), h)
+    with pytest.raises(TypeError, match=r"out: dtype must be bfloat16, got float32"):
+        clops.add(queue, a, a, out=b)
+    with pytest.raises(TypeError, match="a: dtype must be float32 or float16 or bfloat16, got int32"):
+        clops.add(queue, cla.zeros(queue, 8, np.int32), a)
