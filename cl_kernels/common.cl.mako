@@ -53,27 +53,46 @@ ulong clops_guard(ulong i, ulong width, ulong len, uint site, __global uint *err
 % endif
 </%def>
 
-## bfloat16 storage (ushort bits; the helpers load/store of clops.program write
-## the calls): widening is exact (the bits become a float's upper half);
-## narrowing rounds to nearest even by integer ops, NaN stays a (quiet) NaN and
-## ±Inf stays ±Inf. `${common.storage(st, ...)}\` once, before the kernels,
-## naming every storage type the template uses; it renders nothing unless one
-## is "bf16".
+## 16-bit storage, held as ushort bits (the helpers load/store of clops.program
+## write the calls): widening is exact; narrowing rounds to nearest even by
+## integer ops (no float16 arithmetic, no extension), NaN stays a (quiet) NaN,
+## ±Inf stays ±Inf, float16 overflows to ±Inf from 65520 (round to nearest even)
+## and keeps its subnormals. `${common.storage(st, ...)}\` once, before the
+## kernels, naming every storage type the template uses; it renders the
+## helpers of "half" and "bf16" only when named.
 <%def name="storage(*types)">\
-% if "bf16" in types:
-float clops_bf16_to_float(ushort h) { return as_float((uint)h << 16); }
-ushort clops_float_to_bf16(float f)
+<%
+    def sel(n, a, b, cond):  # b where cond holds, else a (cond a comparison: 1 or, per lane, -1)
+        return "((%s) ? (%s) : (%s))" % (cond, b, a) if n == "" else "select(%s, %s, %s)" % (a, b, cond)
+%>\
+% for n in (("", 2, 4, 8, 16) if "bf16" in types else ()):
+<% f, u = "float%s" % n, "uint%s" % n %>\
+${f} clops_bf16_to_float${n}(ushort${n} h) { return as_${f}(convert_${u}(h) << 16); }
+ushort${n} clops_float${n}_to_bf16(${f} f)
 {
-    const uint u = as_uint(f);
-    return isnan(f) ? (ushort)((u >> 16) | 0x40u) : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const ${u} u = as_${u}(f);
+    return convert_ushort${n}(${sel(n, "(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "(u >> 16) | 0x40u", "isnan(f)")});
 }
-%   for n in (2, 4, 8, 16):
-float${n} clops_bf16_to_float${n}(ushort${n} h) { return as_float${n}(convert_uint${n}(h) << 16); }
-ushort${n} clops_float${n}_to_bf16(float${n} f)
+% endfor
+% for n in (("", 2, 4, 8, 16) if "half" in types else ()):
+<% f, u = "float%s" % n, "uint%s" % n %>\
+${f} clops_half_to_float${n}(ushort${n} h)
 {
-    const uint${n} u = as_uint${n}(f);
-    return convert_ushort${n}(select((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, (u >> 16) | 0x40u, isnan(f)));
+    const ${u} em = convert_${u}(h) & 0x7fffu, sign = (convert_${u}(h) & 0x8000u) << 16;
+    // normal: rebias; Inf / NaN: all-ones exponent; subnormals and zero as em·2^-24, exact
+    // (no float subnormal is formed, so a flush-to-zero device widens them right too)
+    const ${u} normal = ${sel(n, "(em << 13) + 0x38000000u", "(em << 13) | 0x7f800000u", "em >= 0x7c00u")};
+    return as_${f}(${sel(n, "normal", "as_%s(convert_%s(em) * 0x1p-24f)" % (u, f), "em < 0x0400u")} | sign);
 }
-%   endfor
-% endif
+ushort${n} clops_float${n}_to_half(${f} f)
+{
+    const ${u} x = as_${u}(f) & 0x7fffffffu, sign = (as_${u}(f) >> 16) & 0x8000u;
+    // normal: rebias and round at bit 13 to nearest even (a carry may reach Inf: correct);
+    // below 2^-14, adding 0.5 makes the float unit round |f| at the subnormal step 2^-24
+    const ${u} normal = (x + 0xc8000fffu + ((x >> 13) & 1u)) >> 13;
+    const ${u} small = as_${u}(as_${f}(x) + 0.5f) - 0x3f000000u;
+    const ${u} huge = ${sel(n, "(%s)0x7c00u" % u, "(%s)0x7e00u" % u, "x > 0x7f800000u")};
+    return convert_ushort${n}(${sel(n, sel(n, "normal", "small", "x < 0x38800000u"), "huge", "x >= 0x47800000u")} | sign);
+}
+% endfor
 </%def>

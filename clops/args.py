@@ -178,16 +178,24 @@ def outputs(queue, allocator, given, inputs, in_place=(), dtype=F32):
     ``dtype`` unless the entry says; the arrays given are checked (type, dtype, shape, no overlap
     with ``inputs`` ((name, array or None), ...) or each other, see :func:`check_disjoint`), the
     others are new (:func:`new_array`)."""
-    check_allocator(allocator)
+    if allocator is not None:
+        check_allocator(allocator)
     _calls[0] += 1
     if _calls[0] % POLL_EVERY == 0:  # a status query costs about a microsecond: not every call
         _release_completed()
-    for name, arr, shape, *dt in given:
-        if arr is not None:
-            check_array(name, arr, queue, shape=shape, dtype=dt[0] if dt else dtype)
-    check_disjoint([(g[0], g[1]) for g in given], inputs, in_place)
-    return [g[1] if g[1] is not None else new_array(queue, g[2], allocator, g[3] if len(g) > 3 else dtype)
-            for g in given]
+    result, given_arrays = [], []
+    for entry in given:
+        name, arr, shape = entry[0], entry[1], entry[2]
+        dt = entry[3] if len(entry) > 3 else dtype
+        if arr is None:
+            arr = new_array(queue, shape, allocator, dt)
+        else:
+            check_array(name, arr, queue, shape=shape, dtype=dt)
+            given_arrays.append((name, arr))
+        result.append(arr)
+    if given_arrays:
+        check_disjoint(given_arrays, inputs, in_place)
+    return result
 
 
 def scratch(queue, floats, allocator):
@@ -202,8 +210,7 @@ def hold(evts, *arrays):
     """Keep ``arrays`` (everything an op's kernels read or write) alive until all of ``evts`` have
     completed, so that neither a pool nor a caller who drops an array can hand its memory out while
     a kernel still uses it."""
-    with _pool_lock:
-        _held.append((evts, arrays))
+    _held.append((evts, arrays))  # deque.append is atomic; releasing takes the lock
 
 
 def _release_completed():
@@ -226,9 +233,13 @@ def check_disjoint(given, inputs, in_place=()):
     outs = [(n, a) for n, a in given if a is not None]
     if not outs:
         return
-    ptrs = [a.base_data.int_ptr for _, a in outs]
-    if len(set(ptrs)) == len(ptrs) and {b.base_data.int_ptr for _, b in inputs if b is not None}.isdisjoint(ptrs):
-        return  # the common case; the loop below finds the pair that shares memory
+    ptrs = {a.base_data.int_ptr for _, a in outs}
+    if len(ptrs) == len(outs):
+        for _, b in inputs:
+            if b is not None and b.base_data.int_ptr in ptrs:
+                break
+        else:
+            return  # the common case; the loop below finds the pair that shares memory
     for i, (name, a) in enumerate(outs):
         ptr = a.base_data.int_ptr
         others = [(n, b, True) for n, b in inputs] + [(n, b, False) for n, b in outs[i + 1:]]

@@ -34,16 +34,23 @@ SPEC = Spec(
 IN_PLACE = ("a", "b", "dc")
 
 
-def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
+def _plan(queue, name, n, st, gst):
+    """(kernel, grid, n as its index type) of elementwise kernel ``name`` over ``n`` elements."""
     p = SPEC.params(queue.device, {})
-    idx = index_type(n + p["wg"] * p["ept"] * p["vw"])
-    _, knl = SPEC.kernels(queue, {}, idx=idx, st=storage(ins[0].dtype),
-                          gst=storage(gathers[0].dtype) if gathers else "float")
-    itype = index_scalar(idx)
-    args = [a.base_data for a in (*outs, *ins, *gathers)] + [itype(n)]
-    args += [itype(s) if isinstance(s, int) else np.float32(s) for s in scalars]
-    evt = knl[name](queue, (-(-n // (p["wg"] * p["ept"] * p["vw"])),), args,
-                    wait_for=events(wait_for, *outs, *ins, *gathers))
+    per_group = p["wg"] * p["ept"] * p["vw"]
+    idx = index_type(n + per_group)
+    _, knl = SPEC.kernels(queue, {}, idx=idx, st=st, gst=gst)
+    return knl[name], (-(-n // per_group),), index_scalar(idx)(n), index_scalar(idx)
+
+
+def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
+    st, gst = storage(ins[0].dtype), storage(gathers[0].dtype) if gathers else "float"
+    knl, groups, count, itype = SPEC.plan(queue, (name, n, st, gst), _plan, name, n, st, gst)
+    args = [a.base_data for a in (*outs, *ins, *gathers)]
+    args.append(count)
+    for s in scalars:
+        args.append(itype(s) if isinstance(s, int) else np.float32(s))
+    evt = knl(queue, groups, args, wait_for=events(wait_for, *outs, *ins, *gathers))
     hold([evt], *outs, *ins, *gathers)
     return wrote([evt], *outs)
 

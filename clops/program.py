@@ -69,33 +69,31 @@ def vstore(vw, val, ptr, idx):
     return f"{ptr}[{idx}] = {val}" if vw == 1 else f"vstore{vw}({val}, 0, {ptr} + ({idx}))"
 
 
-# Storage types: what a buffer holds ("float", "half", "bf16"); math is float32 always. A half
-# buffer is only touched through vload_half / vstore_half*_rte (core OpenCL: no cl_khr_fp16), a
-# bf16 one as ushort bits through common.cl.mako's storage() helpers.
+# Storage types: what a buffer holds ("float", "half", "bf16"); math is float32 always. 16-bit
+# types are held as ushort bits and converted by common.cl.mako's storage() helpers (integer ops:
+# no cl_khr_fp16 needed, and NVIDIA's vload_half8 / vstore_half8_rte ran at a third of the
+# bandwidth that ushort vectors reach).
 def ctype(st):
     """The OpenCL element type of a buffer of storage type ``st`` (pointers are declared with it)."""
-    return {"float": "float", "half": "half", "bf16": "ushort"}[st]
+    return "float" if st == "float" else "ushort"
 
 
 def load(st, vw, ptr, idx):
     """``vw`` elements of storage type ``st`` at element ``idx`` of ``ptr``, widened to float(vw)."""
     if st == "float":
         return vload(vw, ptr, idx)
-    if st == "half":
-        return f"vload_half({idx}, {ptr})" if vw == 1 else f"vload_half{vw}(0, {ptr} + ({idx}))"
-    n = "" if vw == 1 else vw
-    return f"clops_bf16_to_float{n}({ptr}[{idx}])" if vw == 1 else f"clops_bf16_to_float{n}(vload{vw}(0, {ptr} + ({idx})))"
+    if vw == 1:
+        return f"clops_{st}_to_float({ptr}[{idx}])"
+    return f"clops_{st}_to_float{vw}(vload{vw}(0, {ptr} + ({idx})))"
 
 
 def store(st, vw, val, ptr, idx):
     """Round float(vw) ``val`` to nearest even in storage type ``st`` and store it at element ``idx``."""
     if st == "float":
         return vstore(vw, val, ptr, idx)
-    if st == "half":
-        return f"vstore_half_rte({val}, {idx}, {ptr})" if vw == 1 else f"vstore_half{vw}_rte({val}, 0, {ptr} + ({idx}))"
     if vw == 1:
-        return f"{ptr}[{idx}] = clops_float_to_bf16({val})"
-    return f"vstore{vw}(clops_float{vw}_to_bf16({val}), 0, {ptr} + ({idx}))"
+        return f"{ptr}[{idx}] = clops_float_to_{st}({val})"
+    return f"vstore{vw}(clops_float{vw}_to_{st}({val}), 0, {ptr} + ({idx}))"
 
 
 # String helpers every template sees beside its parameters.
@@ -311,7 +309,10 @@ class Kernel:
 
     def __call__(self, queue, groups, args, wait_for=None):
         """Enqueue over ``groups`` work-groups (a tuple, one per dimension); returns the event."""
-        global_size = tuple([g * l for g, l in zip(groups, self.local_size)])
+        if len(groups) == 1:  # the common case, without a generator (this path is per launch)
+            global_size = (groups[0] * self.local_size[0],)
+        else:
+            global_size = tuple([g * l for g, l in zip(groups, self.local_size)])
         if self._guarded is not None:
             # Checked build: an error record (flag, site, index low, high) and the buffers' sizes.
             err = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
@@ -324,7 +325,8 @@ class Kernel:
                 self.knl.set_scalar_arg_dtypes([None if isinstance(a, cl.MemoryObjectHolder) else a.dtype for a in args])
                 self._typed = True
             if self._one_queue:
-                if self._last is not None and self._last[0] != queue:
+                # `is not`: pyopencl's == on queues costs a C call; another handle of the same queue waits too
+                if self._last is not None and self._last[0] is not queue:
                     wait_for = list(wait_for or ()) + [self._last[1]]
             evt = self.knl(queue, global_size, self._local[len(global_size)], *args, wait_for=wait_for)
             if self._one_queue:

@@ -61,6 +61,7 @@ class Spec:
     def __post_init__(self):
         self._params = {}  # (device, shape class) -> render parameters
         self._kernels = weakref.WeakKeyDictionary()  # context -> {(device, shape class, extra): (params, kernels)}
+        self._plans = weakref.WeakKeyDictionary()  # context -> {(device, CLOPS_CHECKED, op's key): plan}
         self._gen = tuning.generation()
         self._lock = threading.Lock()
 
@@ -109,7 +110,8 @@ class Spec:
         gen = tuning.generation()
         if gen != self._gen:
             with self._lock:
-                self._params, self._kernels, self._gen = {}, weakref.WeakKeyDictionary(), gen
+                self._params, self._gen = {}, gen
+                self._kernels, self._plans = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
 
     def params(self, dev, sc):
         """Render parameters for ``dev`` at ``sc`` (memoised until the tuning database changes)."""
@@ -136,4 +138,21 @@ class Spec:
             found = (p, kernels(queue, self.template, dict(p, **extra), work_group_size=self.wg(p, sc)))
             with self._lock:
                 self._kernels.setdefault(queue.context, {})[key] = found
+        return found
+
+    def plan(self, queue, key, build, *args):
+        """What ``build(queue, *args)`` returns (an op's kernel, grid and fixed scalar arguments for
+        one shape and dtype, say), memoised per context and device under ``key`` (a tuple that
+        determines it) until the tuning database changes: a warm op call pays one lookup for what
+        :meth:`params`, :meth:`kernels` and its own arithmetic would cost."""
+        if tuning._generation[0] != self._gen:
+            self._fresh()
+        per_ctx = self._plans.get(queue.context)
+        if per_ctx is not None:
+            found = per_ctx.get((queue.device, checked_enabled(), *key))
+            if found is not None:
+                return found
+        found = build(queue, *args)
+        with self._lock:
+            self._plans.setdefault(queue.context, {})[(queue.device, checked_enabled(), *key)] = found
         return found

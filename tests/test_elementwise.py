@@ -116,16 +116,20 @@ def test_narrow_storage_within_one_ulp(queue, dtype, n):
 @pytest.mark.parametrize("dtype", NARROW, ids=str)
 def test_narrow_rounding_is_to_nearest_even(queue, dtype):
     """``add``'s float32 sum stored as numpy rounds it, bit for bit: ties to even, overflow to ±Inf
-    (float16: from 65520, the tie above the largest half), subnormals, NaN and ±Inf kept."""
+    (float16: from 65520, the tie above the largest half), subnormals, NaN and ±Inf kept; every bit
+    pattern widened and stored back unchanged, and sums of random pairs of them rounded right."""
     fi = ml_dtypes.finfo(dtype)
     tiny, eps, big = float(fi.smallest_subnormal), float(fi.eps), float(fi.max)  # big + 2**(…): the tie above it
     a = np.array([1, 1, 1, -1, big, -big, big, tiny, 3 * tiny, 0, np.nan, np.inf, -np.inf, 2, 7],
                  np.float32)
     b = np.array([eps / 2, 3 * eps / 2, eps / 4, -eps / 2, 2.0 ** (fi.maxexp - fi.nmant - 2), -big, 0, tiny, -tiny,
                   -0.0, 1, 1, 1, np.nan, -np.inf], np.float32)
-    a, b = a.astype(dtype), b.astype(dtype)
+    every = np.arange(2 ** 16, dtype=np.uint16).view(dtype)  # each bit pattern: + (−0) keeps it, + a shuffle mixes
+    shuffled = np.random.default_rng(0).permutation(every)
+    a = np.concatenate([a.astype(dtype), every, every])
+    b = np.concatenate([b.astype(dtype), np.full_like(every, -0.0), shuffled])
     A, B = to_device(queue, a, b)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf − Inf among the pairs
         want = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
     got = clops.add(queue, A, B).get()
     nan = np.isnan(want)  # NaN payloads are the device's
