@@ -54,10 +54,10 @@ ulong clops_guard(ulong i, ulong width, ulong len, uint site, __global uint *err
 </%def>
 
 ## 16-bit storage, held as ushort bits (the helpers load/store of clops.program
-## write the calls): widening is exact; narrowing rounds to nearest even by
-## integer ops (no float16 arithmetic, no extension), NaN stays a (quiet) NaN,
-## ±Inf stays ±Inf, float16 overflows to ±Inf from 65520 (round to nearest even)
-## and keeps its subnormals. `${common.storage(st, ...)}\` once, before the
+## write the calls): widening is exact; narrowing rounds to nearest even (bf16
+## by integer ops, float16 by vstore_half_rte: no float16 arithmetic, no
+## extension), NaN stays a (quiet) NaN, ±Inf stays ±Inf, float16 overflows to
+## ±Inf from 65520 and keeps its subnormals. `${common.storage(st, ...)}\` once, before the
 ## kernels, naming every storage type the template uses; it renders the
 ## helpers of "half" and "bf16" only when named.
 <%def name="storage(*types)">\
@@ -75,24 +75,14 @@ ushort${n} clops_float${n}_to_bf16(${f} f)
 }
 % endfor
 % for n in (("", 2, 4, 8, 16) if "half" in types else ()):
-<% f, u = "float%s" % n, "uint%s" % n %>\
-${f} clops_half_to_float${n}(ushort${n} h)
+## Through a private copy: core OpenCL's vload_half / vstore_half_rte (hardware conversions where
+## there are some) on bits the caller loaded or stores as one wide, aligned ushort vector.
+${"float%s" % n} clops_half_to_float${n}(ushort${n} h) { return vload_half${n}(0, (const __private half *)&h); }
+ushort${n} clops_float${n}_to_half(${"float%s" % n} f)
 {
-    const ${u} em = convert_${u}(h) & 0x7fffu, sign = (convert_${u}(h) & 0x8000u) << 16;
-    // normal: rebias; Inf / NaN: all-ones exponent; subnormals and zero as em·2^-24, exact
-    // (no float subnormal is formed, so a flush-to-zero device widens them right too)
-    const ${u} normal = ${sel(n, "(em << 13) + 0x38000000u", "(em << 13) | 0x7f800000u", "em >= 0x7c00u")};
-    return as_${f}(${sel(n, "normal", "as_%s(convert_%s(em) * 0x1p-24f)" % (u, f), "em < 0x0400u")} | sign);
-}
-ushort${n} clops_float${n}_to_half(${f} f)
-{
-    const ${u} x = as_${u}(f) & 0x7fffffffu, sign = (as_${u}(f) >> 16) & 0x8000u;
-    // normal: rebias and round at bit 13 to nearest even (a carry may reach Inf: correct);
-    // below 2^-14, adding 0.5 makes the float unit round |f| at the subnormal step 2^-24
-    const ${u} normal = (x + 0xc8000fffu + ((x >> 13) & 1u)) >> 13;
-    const ${u} small = as_${u}(as_${f}(x) + 0.5f) - 0x3f000000u;
-    const ${u} huge = ${sel(n, "(%s)0x7c00u" % u, "(%s)0x7e00u" % u, "x > 0x7f800000u")};
-    return convert_ushort${n}(${sel(n, sel(n, "normal", "small", "x < 0x38800000u"), "huge", "x >= 0x47800000u")} | sign);
+    ushort${n} h;
+    vstore_half${n}_rte(f, 0, (__private half *)&h);
+    return h;
 }
 % endfor
 </%def>

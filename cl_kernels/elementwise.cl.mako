@@ -31,7 +31,7 @@ void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o 
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
 % for x in ins:
-            ${vtype(vw)} ${x} = ${load(st, vw, x + "_in", at(x + "_in", "i", vw))};
+            ${vtype(vw)} ${x} = ${load(st, vw, x + "_in", at(x + "_in", "i", vw), aligned=True)};
 % endfor
 % for g, expr in gathers:
 %   if vw == 1:
@@ -45,7 +45,7 @@ void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o 
 % endfor
             ${body(vtype(vw))}
 % for o in outs:
-            ${store(st, vw, o, o + "_out", at(o + "_out", "i", vw))};
+            ${store(st, vw, o, o + "_out", at(o + "_out", "i", vw), aligned=True)};
 % endfor
         } else {
             for (idx_t j = i; j < n; ++j) {

@@ -70,30 +70,35 @@ def vstore(vw, val, ptr, idx):
 
 
 # Storage types: what a buffer holds ("float", "half", "bf16"); math is float32 always. 16-bit
-# types are held as ushort bits and converted by common.cl.mako's storage() helpers (integer ops:
-# no cl_khr_fp16 needed, and NVIDIA's vload_half8 / vstore_half8_rte ran at a third of the
-# bandwidth that ushort vectors reach).
+# types are held as ushort bits, moved as ushort vectors and converted in registers by
+# common.cl.mako's storage() helpers (no cl_khr_fp16 needed; NVIDIA's vload_half8 straight from
+# global memory ran at a third of the bandwidth that aligned ushort8 accesses reach).
 def ctype(st):
     """The OpenCL element type of a buffer of storage type ``st`` (pointers are declared with it)."""
     return "float" if st == "float" else "ushort"
 
 
-def load(st, vw, ptr, idx):
-    """``vw`` elements of storage type ``st`` at element ``idx`` of ``ptr``, widened to float(vw)."""
-    if st == "float":
-        return vload(vw, ptr, idx)
+def load(st, vw, ptr, idx, aligned=False):
+    """``vw`` elements of storage type ``st`` at element ``idx`` of ``ptr``, widened to float(vw).
+    ``aligned``: the caller guarantees ``idx`` is a multiple of ``vw`` (and ``vw`` a power of two),
+    so the access is one naturally aligned vector (vloadn assumes element alignment only, and
+    NVIDIA's driver splits a vload4 of 16-bit elements into narrow loads)."""
     if vw == 1:
-        return f"clops_{st}_to_float({ptr}[{idx}])"
-    return f"clops_{st}_to_float{vw}(vload{vw}(0, {ptr} + ({idx})))"
+        return f"{ptr}[{idx}]" if st == "float" else f"clops_{st}_to_float({ptr}[{idx}])"
+    ct = ctype(st)
+    raw = f"*(__global const {ct}{vw} *)({ptr} + ({idx}))" if aligned else f"vload{vw}(0, {ptr} + ({idx}))"
+    return raw if st == "float" else f"clops_{st}_to_float{vw}({raw})"
 
 
-def store(st, vw, val, ptr, idx):
-    """Round float(vw) ``val`` to nearest even in storage type ``st`` and store it at element ``idx``."""
-    if st == "float":
-        return vstore(vw, val, ptr, idx)
+def store(st, vw, val, ptr, idx, aligned=False):
+    """Round float(vw) ``val`` to nearest even in storage type ``st`` and store it at element ``idx``
+    (``aligned`` as for :func:`load`)."""
     if vw == 1:
-        return f"{ptr}[{idx}] = clops_float_to_{st}({val})"
-    return f"vstore{vw}(clops_float{vw}_to_{st}({val}), 0, {ptr} + ({idx}))"
+        return f"{ptr}[{idx}] = {val}" if st == "float" else f"{ptr}[{idx}] = clops_float_to_{st}({val})"
+    val = val if st == "float" else f"clops_float{vw}_to_{st}({val})"
+    if aligned:
+        return f"*(__global {ctype(st)}{vw} *)({ptr} + ({idx})) = {val}"
+    return f"vstore{vw}({val}, 0, {ptr} + ({idx}))"
 
 
 # String helpers every template sees beside its parameters.
