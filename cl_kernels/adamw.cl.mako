@@ -1,8 +1,10 @@
 // clops AdamW step, in place: torch.optim.AdamW's update with bias correction and
 // decoupled weight decay, for one flat parameter tensor.
 //
-// Layout: p, m, v (float32 master state) and g, flat arrays of n elements. Per
-// element, in torch's order of operations:
+// Layout: p, m, v (float32 master state) and g (of storage type GST: float,
+// half or bf16, widened on load), flat arrays of n elements; with PST, p_half
+// gets the updated p rounded once to nearest even in storage type PST (half or
+// bf16). Per element, in torch's order of operations:
 //   p ·= decay                                (decay = 1 − lr·weight_decay)
 //   m += (1 − β1)·(g − m)                     (torch's lerp)
 //   v  = β2·v + (1 − β2)·g²
@@ -13,13 +15,16 @@
 // run); a vector that would cross n is done element by element.
 //
 // Parameters: WG work-items per group, VW vector width, EPT vectors per work
-// item, IDX the index type (uint when every index fits 32 bits, else ulong).
+// item, IDX the index type (uint when every index fits 32 bits, else ulong), GST
+// g's storage type, PST p_half's (None: no p_half).
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define VW ${vw}
 #define EPT ${ept}
 typedef ${idx} idx_t;
 ${common.guards()}\
+${common.storage(gst, pst)}\
+<% half_arg = ", __global %s *restrict p_half" % ctype(pst) if pst else "" %>\
 
 <%def name="update(T)">
             ${T} pi = p_ * decay;
@@ -30,27 +35,33 @@ ${common.guards()}\
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void adamw(__global float *restrict p, __global float *restrict m, __global float *restrict v,
-           __global const float *restrict g, const idx_t n, const float decay, const float one_minus_beta1,
+           __global const ${ctype(gst)} *restrict g${half_arg}, const idx_t n, const float decay, const float one_minus_beta1,
            const float beta2, const float one_minus_beta2, const float step_size, const float bc2_sqrt,
-           const float eps${checked_args("p", "m", "v", "g")})
+           const float eps${checked_args("p", "m", "v", "g", *(["p_half"] if pst else []))})
 {
     const idx_t first = ((idx_t)get_group_id(0) * (WG * EPT) + (idx_t)get_local_id(0)) * VW;
     for (int k = 0; k < EPT; ++k) {
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
             ${vtype(vw)} p_ = ${vload(vw, "p", at("p", "i", vw))}, m_ = ${vload(vw, "m", at("m", "i", vw))};
-            ${vtype(vw)} v_ = ${vload(vw, "v", at("v", "i", vw))}, g_ = ${vload(vw, "g", at("g", "i", vw))};
+            ${vtype(vw)} v_ = ${vload(vw, "v", at("v", "i", vw))}, g_ = ${load(gst, vw, "g", at("g", "i", vw))};
             ${update(vtype(vw))}
             ${vstore(vw, "pi", "p", at("p", "i", vw))};
             ${vstore(vw, "m_", "m", at("m", "i", vw))};
             ${vstore(vw, "v_", "v", at("v", "i", vw))};
+% if pst:
+            ${store(pst, vw, "pi", "p_half", at("p_half", "i", vw))};
+% endif
         } else {
             for (idx_t j = i; j < n; ++j) {
-                float p_ = p[${at("p", "j")}], m_ = m[${at("m", "j")}], v_ = v[${at("v", "j")}], g_ = g[${at("g", "j")}];
+                float p_ = p[${at("p", "j")}], m_ = m[${at("m", "j")}], v_ = v[${at("v", "j")}], g_ = ${load(gst, 1, "g", at("g", "j"))};
                 ${update("float")}
                 p[${at("p", "j")}] = pi;
                 m[${at("m", "j")}] = m_;
                 v[${at("v", "j")}] = v_;
+% if pst:
+                ${store(pst, 1, "pi", "p_half", at("p_half", "j"))};
+% endif
             }
         }
     }

@@ -1,13 +1,14 @@
 // clops cross-entropy family: per-row loss and log-sum-exp of logits, and the
 // logits' gradient.
 //
-// Layout: logits, dlogits [rows, vocab] row-major float32; targets int32 [rows];
-// loss, lse, dloss float32 [rows]. One work-group of WG work-items per row;
-// work-item t reads the columns t, t + WG, ... (each step of the group reads one
-// contiguous run), keeping a running max m and a sum s of exp(z − m) (an online
-// softmax: one pass over the row, one exp per element). The group combines
-// the work-items' (m, s) and their sums of z in a fixed-order local-memory
-// tree, so results are deterministic.
+// Layout: logits, dlogits [rows, vocab] row-major, of storage type ST (float,
+// half or bf16: loads widen, the gradient's store rounds to nearest even; math is
+// float32); targets int32 [rows]; loss, lse, dloss float32 [rows]. One
+// work-group of WG work-items per row; work-item t reads the columns t, t + WG,
+// ... (each step of the group reads one contiguous run), keeping a running
+// max m and a sum s of exp(z − m) (an online softmax: one pass over the row,
+// one exp per element). The group combines the work-items' (m, s) and their
+// sums of z in a fixed-order local-memory tree, so results are deterministic.
 //
 // z is the logit, or cap·tanh(logit/cap) with CAP (softcap). With label
 // smoothing e (torch.nn.functional.cross_entropy's definition):
@@ -18,11 +19,13 @@
 // dlogits may be logits (in place).
 //
 // Parameters: WG work-items per row, CAP whether a softcap is applied, IDX the
-// index type (uint when every index fits 32 bits, else ulong).
+// index type (uint when every index fits 32 bits, else ulong), ST the logits'
+// storage type.
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 typedef ${idx} idx_t;
 ${common.guards()}\
+${common.storage(st)}\
 
 <%def name="capped(z)">\
 % if cap:
@@ -34,7 +37,7 @@ ${common.guards()}\
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void cross_entropy_fwd(__global float *restrict loss, __global float *restrict lse_out,
-                       __global const float *restrict logits, __global const int *restrict targets,
+                       __global const ${ctype(st)} *restrict logits, __global const int *restrict targets,
                        const uint vocab, const int ignore_index, const float smoothing,
                        const float cap${checked_args("loss", "lse_out", "logits", "targets")})
 {
@@ -43,7 +46,7 @@ void cross_entropy_fwd(__global float *restrict loss, __global float *restrict l
     const idx_t row = get_group_id(0), base = row * vocab;
     float m = -INFINITY, s = 0.0f, zsum = 0.0f;
     for (uint j = lid; j < vocab; j += WG) {
-        const float z = ${capped("logits[" + at("logits", "base + j") + "]")};
+        const float z = ${capped(load(st, 1, "logits", at("logits", "base + j")))};
         if (z > m) {
             s = s * exp(m - z) + 1.0f;
             m = z;
@@ -76,14 +79,14 @@ void cross_entropy_fwd(__global float *restrict loss, __global float *restrict l
         else if (t < 0 || (uint)t >= vocab)
             l = NAN;
         else
-            l = (1.0f - smoothing) * (lse - ${capped("logits[" + at("logits", "base + (uint)t") + "]")})
+            l = (1.0f - smoothing) * (lse - ${capped(load(st, 1, "logits", at("logits", "base + (uint)t")))})
                 + smoothing * (lse - lz[0] / (float)vocab);
         loss[${at("loss", "row")}] = l;
     }
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void cross_entropy_bwd(__global float *dlogits, __global const float *logits, __global const int *restrict targets,
+void cross_entropy_bwd(__global ${ctype(st)} *dlogits, __global const ${ctype(st)} *logits, __global const int *restrict targets,
                        __global const float *restrict lse, __global const float *restrict dloss,
                        const uint vocab, const int ignore_index, const float smoothing,
                        const float cap${checked_args("dlogits", "logits", "targets", "lse", "dloss")})
@@ -96,12 +99,12 @@ void cross_entropy_bwd(__global float *dlogits, __global const float *logits, __
     const float g = valid ? dloss[${at("dloss", "row")}] : 0.0f, l = lse[${at("lse", "row")}];
     const float uniform = smoothing / (float)vocab;
     for (uint j = lid; j < vocab; j += WG) {
-        const float x = logits[${at("logits", "base + j")}];
+        const float x = ${load(st, 1, "logits", at("logits", "base + j"))};
         const float z = ${capped("x")};
         float d = exp(z - l) - uniform - ((int)j == t ? 1.0f - smoothing : 0.0f);
 % if cap:
         d *= 1.0f - (z / cap) * (z / cap);  // d(cap·tanh(x/cap))/dx
 % endif
-        dlogits[${at("dlogits", "base + j")}] = valid ? g * d : 0.0f;
+        ${store(st, 1, "valid ? g * d : 0.0f", "dlogits", at("dlogits", "base + j"))};
     }
 }

@@ -1,7 +1,9 @@
 // clops embedding family: the lookup of token rows and its deterministic gradient.
 //
 // Layout: table, dtable [vocab, d]; ids int32 [n]; out, dout [n, d]; all
-// row-major float32 but ids. An id outside [0, vocab) reads nothing: its output
+// row-major of storage type ST (float, half or bf16) but ids. The lookup copies
+// the stored bits; the gradient widens to float32, sums there and rounds each
+// dtable element once. An id outside [0, vocab) reads nothing: its output
 // row is zeros, its gradient row is dropped, and with COUNT it adds 1 to
 // invalid[0] (an integer atomic; no float atomics anywhere).
 //
@@ -15,16 +17,18 @@
 // dout rows in that order (into dtable's own row when ACC). Same bits every run.
 //
 // Parameters: WG work-items per group, COUNT whether invalid ids are counted,
-// IDX the index type (uint when every index fits 32 bits, else ulong).
+// IDX the index type (uint when every index fits 32 bits, else ulong), ST the
+// storage type of table, out, dout and dtable.
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define B (2 * WG)
 typedef ${idx} idx_t;
 ${common.guards()}\
+${common.storage(st)}\
 <% invalid_arg = ", __global int *restrict invalid" if count else "" %>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void embedding_fwd(__global float *restrict out, __global const float *restrict table, __global const int *restrict ids${invalid_arg},
+void embedding_fwd(__global ${ctype(st)} *restrict out, __global const ${ctype(st)} *restrict table, __global const int *restrict ids${invalid_arg},
                    const uint vocab, const uint d${checked_args("out", "table", "ids", *(["invalid"] if count else []))})
 {
     const uint lid = get_local_id(0);
@@ -35,8 +39,8 @@ void embedding_fwd(__global float *restrict out, __global const float *restrict 
     if (!ok && lid == 0)
         atomic_inc(invalid);
 % endif
-    for (uint j = lid; j < d; j += WG)
-        out[${at("out", "i * d + j")}] = ok ? table[${at("table", "(idx_t)id * d + j")}] : 0.0f;
+    for (uint j = lid; j < d; j += WG)  // the stored bits copied; 0 is +0 in every storage type
+        out[${at("out", "i * d + j")}] = ok ? table[${at("table", "(idx_t)id * d + j")}] : 0;
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -98,7 +102,7 @@ void bitonic_global(__global ulong *restrict keys, const uint size, const uint s
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void embedding_accumulate(__global float *restrict dtable, __global const float *restrict dout,
+void embedding_accumulate(__global ${ctype(st)} *restrict dtable, __global const ${ctype(st)} *restrict dout,
                           __global const ulong *restrict keys, const uint n, const uint d,
                           const int acc${checked_args("dtable", "dout", "keys")})
 {
@@ -113,13 +117,13 @@ void embedding_accumulate(__global float *restrict dtable, __global const float 
             hi = mid;
     }
     for (uint j = lid; j < d; j += WG) {
-        float sum = acc ? dtable[${at("dtable", "v * d + j")}] : 0.0f;
+        float sum = acc ? ${load(st, 1, "dtable", at("dtable", "v * d + j"))} : 0.0f;
         for (uint k = lo; k < n; ++k) {
             const ulong key = keys[${at("keys", "k")}];
             if (key >> 32 != v)
                 break;
-            sum += dout[${at("dout", "(idx_t)(uint)key * d + j")}];
+            sum += ${load(st, 1, "dout", at("dout", "(idx_t)(uint)key * d + j"))};
         }
-        dtable[${at("dtable", "v * d + j")}] = sum;
+        ${store(st, 1, "sum", "dtable", at("dtable", "v * d + j"))};
     }
 }

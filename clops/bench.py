@@ -10,9 +10,14 @@ the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
 device times from profiling events (the sum of an op's kernels, gaps between
 them left out): warm-up, then 7 runs, median kept.
 
-``--peers`` adds PyTorch's figures for the same shapes when PyTorch with a GPU
-is importable in this process, and the ratio PyTorch ms / clops ms (above 1:
-clops is faster). ``--json PATH`` writes every figure keyed by op name.
+``--dtype float16`` / ``bfloat16`` runs every op that takes 16-bit storage with
+its activations (and weights) at that dtype, statistics and master state staying
+float32, and counts the bytes actually moved; the other ops are skipped, each
+with a line saying so (:data:`NARROW_OPS` says which ops take 16-bit storage).
+
+``--peers`` adds PyTorch's figures for the same shapes, at the same dtype, when
+PyTorch with a GPU is importable in this process, and the ratio PyTorch ms /
+clops ms (above 1: clops is faster). ``--json PATH`` writes every figure keyed by op name.
 ``--small`` uses small shapes, for CPUs.
 """
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import json
 import statistics
 
+import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -30,6 +36,7 @@ import pyopencl.tools as cl_tools
 import clops
 
 from . import runtime, step, tuning
+from .args import F32
 from .profile import measure
 from .tune import attention_flops
 
@@ -43,6 +50,17 @@ ATTENTION_SMALL = {"qwen-hd256": (2, 64, 4, 2, 256), "llama-hd128": (2, 64, 8, 2
                    "small-hd64": (2, 64, 4, 4, 64)}
 TOKENS, D = 16384, 5120
 TOKENS_SMALL, D_SMALL = 256, 512
+DTYPES = {"float32": F32, "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+# The ops that take float16 / bfloat16 storage. A bench runs at a 16-bit dtype when its op (its
+# name up to a space or a '+') is here; an op joins the set when it is converted.
+NARROW_OPS = frozenset({"swiglu", "swiglu_bwd", "swiglu_limit", "swiglu_gated", "swiglu_gated_bwd", "sigmoid_gate",
+                        "sigmoid_gate_bwd", "add", "cross_entropy", "cross_entropy_bwd", "embedding",
+                        "embedding_bwd", "adamw"})
+
+
+def bench_op(name):
+    """The op a bench is judged by for its dtype: its name up to a space or a '+'."""
+    return name.split()[0].split("+")[0]
 
 
 def fp32_lanes(dev):
@@ -97,21 +115,23 @@ class Bench:
     shape: str
     unit: str  # "GB/s" or "TFLOP/s"
     setup: object  # setup(queue, data) -> (fn, work); work in bytes (None: counted from the arrays) or FLOPs
-    peers: tuple = ()  # ((label, torch_fn(torch, dev) -> callable), ...)
+    peers: tuple = ()  # ((label, make(torch, torch dtype) -> callable), ...)
 
 
 class Data:
-    """Seeded random device arrays, shared between benches of the same shapes."""
+    """Seeded random device arrays of the bench's dtype (unless told), shared between benches of the
+    same shapes."""
 
-    def __init__(self, queue):
-        self.queue, self.cache = queue, {}
+    def __init__(self, queue, dtype=F32):
+        self.queue, self.dtype, self.cache = queue, dtype, {}
         self.pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
 
-    def get(self, shape, seed, scale=1.0):
-        key = (tuple(shape), seed, scale)
+    def get(self, shape, seed, scale=1.0, dtype=None):
+        dtype = self.dtype if dtype is None else dtype
+        key = (tuple(shape), seed, scale, dtype)
         if key not in self.cache:
             host = np.random.default_rng(seed).random(shape, dtype=np.float32)
-            self.cache[key] = cla.to_device(self.queue, (host * 2 - 1) * scale)
+            self.cache[key] = cla.to_device(self.queue, ((host * 2 - 1) * scale).astype(dtype))
         return self.cache[key]
 
     def clear(self):
@@ -179,7 +199,7 @@ def _xent(backward, n, vocab):
         loss, lse = clops.cross_entropy(queue, x, t, allocator=data.pool)
         if not backward:
             return lambda: clops.cross_entropy(queue, x, t, allocator=data.pool), _nbytes([x, t, loss, lse])
-        dloss = data.get((n,), 3)
+        dloss = data.get((n,), 3, dtype=F32)
         return (lambda: clops.cross_entropy_bwd(queue, x, t, lse, dloss, dlogits=x),
                 _nbytes([x, t, lse, dloss, x]))
 
@@ -194,10 +214,11 @@ def _embedding(backward, n, vocab, d):
         ids = cla.to_device(queue, np.random.default_rng(5).integers(0, vocab, n).astype(np.int32))
         if not backward:
             table = data.get((vocab, d), 1)
-            return lambda: clops.embedding(queue, table, ids, allocator=data.pool), ids.nbytes + 2 * 4 * n * d
+            return (lambda: clops.embedding(queue, table, ids, allocator=data.pool),
+                    ids.nbytes + 2 * table.dtype.itemsize * n * d)
         dout = data.get((n, d), 2)
         return (lambda: clops.embedding_bwd(queue, ids, dout, vocab=vocab, allocator=data.pool),
-                ids.nbytes + 4 * n * d + 4 * vocab * d)
+                ids.nbytes + dout.dtype.itemsize * (n + vocab) * d)
 
     return setup
 
@@ -211,43 +232,58 @@ def _gemm(m, n, k):
 
 
 def _peer_gemm(m, n, k):
-    def make(torch):
-        a, b = _t_rand(torch, (m, k), 1), _t_rand(torch, (k, n), 2)
+    def make(torch, dtype):
+        a, b = _t_rand(torch, (m, k), 1, dtype), _t_rand(torch, (k, n), 2, dtype)
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 FMA, as CLBlast's SGEMM
         return lambda: a @ b
 
     return make
 
 
-def _adamw(shape):
-    """adamw: reads p, g, m, v and writes p, m, v."""
+def _adamw(n):
+    """adamw: reads p, g, m, v and writes p, m, v (float32 master state); at a 16-bit dtype, g is of
+    that dtype and the 16-bit copy of p is written too (p_half)."""
 
     def setup(queue, data):
-        p, g, m, v = data.get(*shape), data.get(shape[0], 2), data.get(shape[0], 3, 0.1), data.get(shape[0], 4, 0.1)
+        p, m, v = (data.get((n,), seed, scale, dtype=F32) for seed, scale in ((1, 1.0), (3, 0.1), (4, 0.1)))
         v = abs(v)
-        return (lambda: clops.adamw(queue, p, g, m, v, lr=1e-4, step=1, weight_decay=0.1)), 7 * p.nbytes
+        g = data.get((n,), 2)
+        p_half = None if data.dtype == F32 else cla.empty(queue, (n,), data.dtype, allocator=data.pool)
+        return (lambda: clops.adamw(queue, p, g, m, v, lr=1e-4, step=1, weight_decay=0.1, p_half=p_half),
+                6 * p.nbytes + _nbytes([g, p_half]))
 
     return setup
 
 
 def _peer_adamw(n):
-    def make(torch):
-        p = torch.nn.Parameter(_t_rand(torch, (n,), 1))
-        p.grad = _t_rand(torch, (n,), 2)
+    def make(torch, dtype):
+        p = torch.nn.Parameter(_t_rand(torch, (n,), 1, torch.float32))
+        g = _t_rand(torch, (n,), 2, dtype)
         opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
-        return opt.step
+        if dtype == torch.float32:
+            p.grad = g
+            return opt.step
+        half = torch.empty_like(g)
+
+        def step():  # clops' work at a 16-bit dtype: the gradient widened, p's 16-bit copy written
+            p.grad = g.float()
+            opt.step()
+            with torch.no_grad():
+                half.copy_(p)
+
+        return step
 
     return make
 
 
 def _peer_xent(n, vocab, backward):
-    def make(torch):
-        x = _t_rand(torch, (n, vocab), 1) * 8
+    def make(torch, dtype):
+        x = _t_rand(torch, (n, vocab), 1, dtype) * 8
         t = torch.randint(0, vocab, (n,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
         if not backward:
             return lambda: torch.nn.functional.cross_entropy(x, t, reduction="none")
         x.requires_grad_(True)
-        dloss = _t_rand(torch, (n,), 3)
+        dloss = _t_rand(torch, (n,), 3, dtype)  # torch's loss has the logits' dtype
         return lambda: torch.autograd.grad(torch.nn.functional.cross_entropy(x, t, reduction="none"), x, dloss)
 
     return make
@@ -273,27 +309,27 @@ def _attention(backward, windows, window, nh, nkv, hd):
 
 # ---- PyTorch peers: each returns a callable that runs the same work on torch's GPU ----
 
-def _t_rand(torch, shape, seed):
+def _t_rand(torch, shape, seed, dtype):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.rand(shape, device="cuda", generator=g) * 2 - 1
+    return (torch.rand(shape, device="cuda", generator=g) * 2 - 1).to(dtype)
 
 
 def _peer_swiglu(rows, width):
-    def make(torch):
-        a, b = _t_rand(torch, (rows, width), 1), _t_rand(torch, (rows, width), 2)
+    def make(torch, dtype):
+        a, b = _t_rand(torch, (rows, width), 1, dtype), _t_rand(torch, (rows, width), 2, dtype)
         return lambda: torch.nn.functional.silu(a) * b
 
     return make
 
 
 def _peer_rms(n, d, backward):
-    def make(torch):
-        x, w = _t_rand(torch, (n, d), 1), _t_rand(torch, (d,), 2)
+    def make(torch, dtype):
+        x, w = _t_rand(torch, (n, d), 1, dtype), _t_rand(torch, (d,), 2, dtype)
         if not backward:
             return lambda: torch.nn.functional.rms_norm(x, (d,), w, 1e-6)
         x.requires_grad_(True)
         w.requires_grad_(True)
-        dy = _t_rand(torch, (n, d), 3)
+        dy = _t_rand(torch, (n, d), 3, dtype)
 
         def call():
             y = torch.nn.functional.rms_norm(x, (d,), w, 1e-6)
@@ -305,9 +341,9 @@ def _peer_rms(n, d, backward):
 
 
 def _peer_sdpa(backward, expand, windows, window, nh, nkv, hd):
-    def make(torch):
-        q = _t_rand(torch, (windows, nh, window, hd), 1)
-        k, v = _t_rand(torch, (windows, nkv, window, hd), 2), _t_rand(torch, (windows, nkv, window, hd), 3)
+    def make(torch, dtype):
+        q = _t_rand(torch, (windows, nh, window, hd), 1, dtype)
+        k, v = (_t_rand(torch, (windows, nkv, window, hd), seed, dtype) for seed in (2, 3))
         if expand:
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -316,7 +352,7 @@ def _peer_sdpa(backward, expand, windows, window, nh, nkv, hd):
             return lambda: sdpa(q, k, v, is_causal=True, **kw)
         for t in (q, k, v):
             t.requires_grad_(True)
-        do = _t_rand(torch, (windows, nh, window, hd), 4)
+        do = _t_rand(torch, (windows, nh, window, hd), 4, dtype)
 
         def call():
             return torch.autograd.grad(sdpa(q, k, v, is_causal=True, **kw), (q, k, v), do)
@@ -350,8 +386,8 @@ def benches(small):
     ]
     g = 256 if small else 4096
     out.append(Bench("gemm", f"{g}×{g}×{g}", "TFLOP/s", _gemm(g, g, g), (("a @ b fp32 (no TF32)", _peer_gemm(g, g, g)),)))
-    params = ((n * d,), 1, 1.0)
-    out.append(Bench("adamw", f"[{n * d}]", "GB/s", _adamw(params), (("torch.optim.AdamW (fused)", _peer_adamw(n * d)),)))
+    out.append(Bench("adamw", f"[{n * d}]", "GB/s", _adamw(n * d),
+                     (("torch.optim.AdamW (fused)", _peer_adamw(n * d)),)))
     vocab = 5000 if small else 50257
     out += [Bench("embedding", f"[{n}, {d}] of [{vocab}, {d}]", "GB/s", _embedding(False, n, vocab, d)),
             Bench("embedding_bwd", f"[{n}, {d}] into [{vocab}, {d}]", "GB/s", _embedding(True, n, vocab, d))]
@@ -410,8 +446,12 @@ def _why(e):
 
 
 def run_bench(queue, bench, data, torch, limits, out):
-    """Time one bench (and its peers); returns its JSON record."""
+    """Time one bench (and its peers) at ``data``'s dtype; returns its JSON record."""
     rec = {"shape": bench.shape, "unit": bench.unit}
+    if data.dtype != F32 and bench_op(bench.name) not in NARROW_OPS:
+        rec.update(status="skipped", reason=f"{bench_op(bench.name)} takes float32 only, not {data.dtype}")
+        _print_row(bench.name, rec, out)
+        return rec
     try:
         fn, work = bench.setup(queue, data)
         ms, times = measure(queue, fn, warmup=WARMUP, runs=RUNS)
@@ -426,7 +466,7 @@ def run_bench(queue, bench, data, torch, limits, out):
         rec["peers"] = {}
         for label, make in bench.peers:
             try:
-                pms = time_torch(torch, make(torch))
+                pms = time_torch(torch, make(torch, getattr(torch, data.dtype.name)))
             except Exception as e:  # any PyTorch failure (unsupported kernel, out of memory) is reported, not fatal
                 rec["peers"][label] = {"status": "failed", "reason": _why(e)}
             else:
@@ -491,6 +531,8 @@ def main(argv=None, queue=None, out=print):
     p.add_argument("--peers", action="store_true", help="add PyTorch's figures (needs PyTorch with a GPU)")
     p.add_argument("--json", metavar="PATH", help="write every figure, keyed by op name")
     p.add_argument("--only", action="append", metavar="TEXT", help="only ops whose name contains TEXT (repeatable)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="storage dtype of the activations (ops that take float32 only are skipped at the others)")
     p.add_argument("--step", action="store_true",
                    help="the non-matmul half of a pre-norm block, forward + backward (wall vs device time), and "
                         "the host cost of one op call (clops.step)")
@@ -498,6 +540,8 @@ def main(argv=None, queue=None, out=print):
                    help="tokens/s of the train-demo's model at a realistic size (clops.train_demo.BENCH): "
                         "shares of clops' kernels, CLBlast and the host, beside PyTorch eager with --peers")
     a = p.parse_args(argv)
+    if (a.step or a.train) and a.dtype != "float32":
+        p.error("--dtype: --step and --train run at float32 only")
     if a.step:
         return _step(a, queue, out)
     if a.train:
@@ -510,7 +554,7 @@ def main(argv=None, queue=None, out=print):
     dev = queue.device
     torch, why = torch_gpu() if a.peers else (None, None)
     platform, name, driver = runtime.device_identity(dev)
-    out(f"clops bench on {name} ({platform}, driver {driver}){' small shapes' if a.small else ''}")
+    out(f"clops bench on {name} ({platform}, driver {driver}) at {a.dtype}{', small shapes' if a.small else ''}")
     copy_bytes = min(dev.max_mem_alloc_size // 4, (16 if a.small else 1024) * 2**20)
     peak, basis = fp32_peak_tflops(dev)
     limits = {"copy_GBps": copy_bandwidth(queue, copy_bytes), "copy_bytes": copy_bytes, "fp32_peak_TFLOPs": peak,
@@ -520,7 +564,7 @@ def main(argv=None, queue=None, out=print):
     if a.peers:
         out(f"peers: {'PyTorch ' + torch.__version__ + ' on ' + torch.cuda.get_device_name() if torch else why}")
     out(f"{'op':<36} {'shape':<26} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8}")
-    data = Data(queue)
+    data = Data(queue, DTYPES[a.dtype])
     ops = {}
     for bench in every:
         if a.only and not any(t in bench.name for t in a.only):
@@ -531,6 +575,7 @@ def main(argv=None, queue=None, out=print):
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": {"platform": platform, "name": name, "driver": driver}, "small": a.small,
-                       "limits": limits, "peers": why if a.peers and torch is None else None, "ops": ops}, f, indent=1)
+                       "dtype": a.dtype, "limits": limits, "peers": why if a.peers and torch is None else None,
+                       "ops": ops}, f, indent=1)
         out(f"figures written to {a.json}")
-    return 0 if all(r["status"] == "ok" for r in ops.values()) else 1
+    return 0 if all(r["status"] in ("ok", "skipped") for r in ops.values()) else 1

@@ -1,11 +1,13 @@
 """Token embedding: ``embedding`` (the lookup) and ``embedding_bwd`` (its gradient, deterministic).
 Template: ``embedding.cl.mako``.
 
-``table [vocab, d]`` float32, ``ids [n]`` int32 (a device array, or a numpy array that is checked
-on the host and copied without waiting), ``out``/``dout [n, d]``. Ids outside ``[0, vocab)`` are
-refused when they come from the host; on the device they read nothing (their output row is
-zeros, their gradient is dropped) and, when an int32 ``[1]`` device array ``invalid=`` is given,
-are counted into it. The gradient sorts the (id, token) pairs on the device (a bitonic sort, no
+``table [vocab, d]``, ``ids [n]`` int32 (a device array, or a numpy array that is checked on the
+host and copied without waiting), ``out``/``dout [n, d]``; table, out, dout and dtable share one
+dtype, float32, float16 or bfloat16 (the lookup copies the stored values; the gradient sums each
+dtable element in float32, a given dtable's value first, and rounds it once). Ids outside
+``[0, vocab)`` are refused when they come from the host; on the device they read nothing (their
+output row is zeros, their gradient is dropped) and, when an int32 ``[1]`` device array
+``invalid=`` is given, are counted into it. The gradient sorts the (id, token) pairs on the device (a bitonic sort, no
 float atomics) and adds each vocab row's token rows in token order: the same bits every run.
 
 Tuning: op ``"embedding"``, shape class ``{}``, parameter ``wg``: work-items per group (a power
@@ -16,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import (I32, check_array, check_queue, events, hold, index_array, index_type, outputs, positive_int,
-                   scratch, wrote)
+from .args import (FLOATS, I32, check_array, check_queue, events, hold, index_array, index_type, outputs,
+                   positive_int, scratch, storage, wrote)
 from .spec import Spec
 
 
@@ -27,7 +29,8 @@ def heuristic(dev, sc):
 
 SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
             rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
-            local_bytes=lambda p, sc: 16 * p["wg"], render=lambda p, sc: dict(p),
+            local_bytes=lambda p, sc: 16 * p["wg"],
+            render=lambda p, sc: dict(p, st="float"),  # the storage type: each call passes its own
             doc="embedding and embedding_bwd: wg work-items per group")
 
 
@@ -37,15 +40,15 @@ def _invalid(queue, invalid):
     return invalid
 
 
-def _kernels(queue, invalid, *sizes):
-    p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes))
+def _kernels(queue, invalid, dtype, *sizes):
+    p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes), st=storage(dtype))
     return p["wg"], knl
 
 
 def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, allocator=None):
     """``out [n, d]``: ``out[i] = table[ids[i]]`` (zeros where the id is out of range, see the module)."""
     check_queue(queue)
-    check_array("table", table, queue, ndim=2)
+    check_array("table", table, queue, ndim=2, dtype=FLOATS)
     vocab, d = table.shape
     if vocab >= 2**31:
         raise ValueError(f"table: {vocab} rows do not fit the int32 ids")
@@ -54,8 +57,9 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
         raise ValueError(f"ids: expected a non-empty [n] array, got shape {getattr(ids, 'shape', None)}")
     ids = index_array("ids", ids, queue, (n,), below=vocab, allocator=allocator)
     invalid = _invalid(queue, invalid)
-    (out,) = outputs(queue, allocator, [("out", out, (n, d))], [("table", table), ("ids", ids), ("invalid", invalid)])
-    wg, knl = _kernels(queue, invalid, n * d, vocab * d)
+    (out,) = outputs(queue, allocator, [("out", out, (n, d))], [("table", table), ("ids", ids), ("invalid", invalid)],
+                     dtype=table.dtype)
+    wg, knl = _kernels(queue, invalid, table.dtype, n * d, vocab * d)
     evt = knl["embedding_fwd"](queue, (n,), [out.base_data, table.base_data, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
                                + [np.uint32(vocab), np.uint32(d)], wait_for=events(wait_for, out, table, ids, invalid))
     hold([evt], out, table, ids, invalid)
@@ -66,12 +70,12 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
 
 def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_for=None, allocator=None):
     """``dtable [vocab, d]``: row v is the sum of the ``dout`` rows of the tokens whose id is v, in
-    token order; a given ``dtable`` has the gradient added into it."""
+    token order; a given ``dtable`` (of ``dout``'s dtype) has the gradient added into it."""
     check_queue(queue)
     vocab = positive_int("vocab", vocab)
     if vocab >= 2**31:
         raise ValueError(f"vocab: {vocab} does not fit the int32 ids")
-    check_array("dout", dout, queue, ndim=2)
+    check_array("dout", dout, queue, ndim=2, dtype=FLOATS)
     n, d = dout.shape
     if n >= 2**31:
         raise ValueError(f"dout: {n} rows are more than the sort takes (2³¹)")
@@ -79,8 +83,8 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
     invalid = _invalid(queue, invalid)
     accumulate = dtable is not None
     (dtable,) = outputs(queue, allocator, [("dtable", dtable, (vocab, d))],
-                        [("ids", ids), ("dout", dout), ("invalid", invalid)])
-    wg, knl = _kernels(queue, invalid, n * d, vocab * d)
+                        [("ids", ids), ("dout", dout), ("invalid", invalid)], dtype=dout.dtype)
+    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d)
     block = 2 * wg
     padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
     keys = scratch(queue, 2 * padded, allocator)  # ulong keys

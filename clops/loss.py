@@ -1,8 +1,9 @@
 """Cross-entropy over a vocabulary: per-row loss and log-sum-exp, and the logits' gradient.
 Template: ``cross_entropy.cl.mako``.
 
-``logits [n, vocab]`` float32, ``targets [n]`` int32 (a device array, or a numpy array that is
-checked on the host and copied without waiting); ``loss`` and ``lse`` float32 ``[n]``. One pass
+``logits [n, vocab]`` float32, float16 or bfloat16 (storage: the math is float32), ``targets [n]``
+int32 (a device array, or a numpy array that is checked on the host and copied without waiting);
+``loss`` and ``lse`` float32 ``[n]`` always, ``dlogits`` of the logits' dtype. One pass
 over each row (an online max and sum), any vocab size. ``label_smoothing`` as
 ``torch.nn.functional.cross_entropy`` defines it; ``softcap=c`` replaces each logit x by
 ``c·tanh(x/c)`` first. Rows whose target is ``ignore_index`` have loss 0 and gradient 0 (lse
@@ -17,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import check_array, check_queue, events, finite_float, hold, index_array, index_type, outputs, wrote
+from .args import (FLOATS, check_array, check_queue, events, finite_float, hold, index_array, index_type,
+                   outputs, storage, wrote)
 from .spec import Spec
 
 
@@ -26,7 +28,8 @@ def heuristic(dev, sc):
 
 
 SPEC = Spec("cross_entropy", "cross_entropy.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512, 1024]},
-            heuristic, local_bytes=lambda p, sc: 12 * p["wg"], render=lambda p, sc: dict(p),
+            heuristic, local_bytes=lambda p, sc: 12 * p["wg"],
+            render=lambda p, sc: dict(p, st="float"),  # the logits' storage type: each call passes its own
             doc="cross_entropy and cross_entropy_bwd: wg work-items per row")
 
 
@@ -46,7 +49,7 @@ def _scalars(ignore_index, label_smoothing, softcap):
 
 def _geometry(queue, logits, targets, ignore_index, allocator):
     check_queue(queue)
-    check_array("logits", logits, queue, ndim=2)
+    check_array("logits", logits, queue, ndim=2, dtype=FLOATS)
     n, vocab = logits.shape
     if vocab >= 2**31:
         raise ValueError(f"logits: a vocab of {vocab} does not fit the int32 targets")
@@ -54,8 +57,8 @@ def _geometry(queue, logits, targets, ignore_index, allocator):
     return n, vocab, targets
 
 
-def _kernel(queue, name, n, vocab, cap):
-    _, knl = SPEC.kernels(queue, {}, cap=int(cap > 0), idx=index_type(n * vocab))
+def _kernel(queue, name, logits, cap):
+    _, knl = SPEC.kernels(queue, {}, cap=int(cap > 0), idx=index_type(logits.size), st=storage(logits.dtype))
     return knl[name]
 
 
@@ -66,7 +69,7 @@ def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=
     n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
     loss, lse = outputs(queue, allocator, [("loss", loss, (n,)), ("lse", lse, (n,))],
                         [("logits", logits), ("targets", targets)])
-    knl = _kernel(queue, "cross_entropy_fwd", n, vocab, cap)
+    knl = _kernel(queue, "cross_entropy_fwd", logits, cap)
     evt = knl(queue, (n,), [loss.base_data, lse.base_data, logits.base_data, targets.base_data, np.uint32(vocab), np.int32(ignore_index),
                             np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, loss, lse, logits, targets))
@@ -86,8 +89,8 @@ def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, 
     check_array("dloss", dloss, queue, shape=(n,))
     (dlogits,) = outputs(queue, allocator, [("dlogits", dlogits, (n, vocab))],
                          [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
-                         in_place=("logits",))
-    knl = _kernel(queue, "cross_entropy_bwd", n, vocab, cap)
+                         in_place=("logits",), dtype=logits.dtype)
+    knl = _kernel(queue, "cross_entropy_bwd", logits, cap)
     evt = knl(queue, (n,), [dlogits.base_data, logits.base_data, targets.base_data, lse.base_data, dloss.base_data, np.uint32(vocab),
                             np.int32(ignore_index), np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, dlogits, logits, targets, lse, dloss))

@@ -38,6 +38,20 @@ def test_bench_small_json(queue, tmp_path):
     assert rc == (0 if all(r["status"] == "ok" for r in data["ops"].values()) else 1)
 
 
+def test_bench_at_bfloat16_counts_the_bytes_moved_and_skips_float32_ops(queue, tmp_path):
+    path, lines = tmp_path / "bench.json", []
+    assert bench.NARROW_OPS <= set(clops.__all__)
+    rc = bench.main(["--small", "--dtype", "bfloat16", "--json", str(path), "--only", "embedding", "--only", "adamw",
+                     "--only", "gemm"], queue=queue, out=lines.append)
+    data = json.loads(path.read_text())
+    ops, n = data["ops"], bench.TOKENS_SMALL * bench.D_SMALL
+    assert rc == 0 and data["dtype"] == "bfloat16" and set(ops) == {"embedding", "embedding_bwd", "adamw", "gemm"}
+    assert ops["embedding"]["work"] == 4 * bench.TOKENS_SMALL + 2 * 2 * n  # ids; bf16 rows read and written
+    assert ops["adamw"]["work"] == (6 * 4 + 2 + 2) * n  # float32 p, m, v read and written; bf16 g read, p_half written
+    assert ops["gemm"]["status"] == "skipped" and ops["adamw"]["status"] == "ok"
+    assert "gemm takes float32 only, not bfloat16" in "\n".join(lines)
+
+
 def _dev(**kw):
     base = dict(type=cl.device_type.GPU, vendor="NVIDIA Corporation", max_compute_units=132,
                 max_clock_frequency=1980, compute_capability_major_nv=9, compute_capability_minor_nv=0)

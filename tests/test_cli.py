@@ -81,6 +81,11 @@ def test_bench_only_matching_nothing_is_refused(capsys):
     assert "--only nothing" in err and "rms_norm_dw" in err
 
 
+def test_bench_dtype_is_checked(capsys):
+    assert "--step and --train run at float32 only" in _refused(bench.main, ["--step", "--dtype", "float16"], capsys)
+    assert "invalid choice: 'float64'" in _refused(bench.main, ["--dtype", "float64"], capsys)
+
+
 def test_tune_without_an_op_says_why(capsys):
     err = _refused(tune.main, [], capsys)
     assert "usage:" in err and "attention_fwd" in err

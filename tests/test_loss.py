@@ -1,6 +1,13 @@
 """cross_entropy / cross_entropy_bwd against the float64 reference (torch's definition, no
 reduction): vocab sizes up to Qwen's, label smoothing, softcap, ignored and out-of-range
-targets, in place, determinism, refusals."""
+targets, in place, determinism, refusals.
+
+float16 / bfloat16 logits: the reference takes the same rounded logits (and, for the backward, the
+device's float32 lse); loss and lse stay float32 at the float32 tolerance (relative L2 1e-6), and
+dlogits, stored at the logits' dtype, is within 1 storage ulp of the float64 gradient rounded once,
+relative to its row's scale (the row's largest |gradient|), plus the float32 tolerance (1e-5 of
+that scale; helpers.narrow_ulps)."""
+import ml_dtypes
 import numpy as np
 import pyopencl.array as cla
 import pytest
@@ -8,7 +15,7 @@ import pytest
 import clops
 from clops import reference as ref
 from clops.reference import rel_err, rnd
-from helpers import to_device
+from helpers import NARROW, narrow_ulps, to_device
 
 IGNORE = -100
 
@@ -62,6 +69,31 @@ def test_device_targets_out_of_range_give_nan_loss_and_zero_gradient(queue):
     assert grad[0].any() and not grad[1:].any()
 
 
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+@pytest.mark.parametrize("n, vocab, smoothing, softcap, scale", [
+    (7, 37, 0.1, None, 4.0), (6, 1000, 0.0, 15.0, 100.0), (4, 50257, 0.1, 30.0, 8.0)], ids=lambda v: str(v))
+def test_narrow_logits(queue, dtype, n, vocab, smoothing, softcap, scale):
+    """Rows not a multiple of the work-group, an ignored row, a device target out of range, softcap,
+    the backward apart and in place."""
+    x = rnd((n, vocab), 1, scale).astype(dtype)
+    t = _targets(n, vocab, 2)
+    t[2] = vocab  # out of range, from the device: loss NaN, gradient 0
+    dloss = rnd(n, 3, 1.0)
+    kw = dict(ignore_index=IGNORE, label_smoothing=smoothing, softcap=softcap)
+    dx, dt, ddl = to_device(queue, x, t, dloss)
+    loss, lse = clops.cross_entropy(queue, dx, dt, **kw)
+    want_loss, want_lse = ref.cross_entropy(x, t, **kw)
+    assert loss.dtype == lse.dtype == np.float32 and rel_err(lse.get(), want_lse) <= 1e-6
+    ok = np.arange(n) != 2
+    assert np.isnan(loss.get()[2]) and rel_err(loss.get()[ok], want_loss[ok]) <= 1e-6
+    grad = clops.cross_entropy_bwd(queue, dx, dt, lse, ddl, **kw)
+    want = ref.cross_entropy_bwd(x, t, lse.get(), dloss, **kw)
+    assert grad.dtype == dtype
+    assert ref.ulps_off(grad.get(), want, dtype, scale=np.abs(want).max(1, keepdims=True)) <= narrow_ulps(dtype, 1e-5)
+    assert clops.cross_entropy_bwd(queue, dx, dt, lse, ddl, dlogits=dx, **kw) is dx
+    assert dx.get().tobytes() == grad.get().tobytes()
+
+
 def test_refusals(queue):
     x, = to_device(queue, rnd((3, 10), 8))
     lse, dl = to_device(queue, rnd(3, 9), rnd(3, 10))
@@ -78,6 +110,11 @@ def test_refusals(queue):
         (ValueError, "softcap", lambda: clops.cross_entropy(queue, x, ok, softcap=0.0)),
         (TypeError, "ignore_index", lambda: clops.cross_entropy(queue, x, ok, ignore_index=True)),
         (TypeError, "logits: dtype", lambda: clops.cross_entropy(queue, cla.to_device(queue, np.zeros((3, 10))), ok)),
+        (TypeError, "dlogits: dtype must be bfloat16, got float32",
+         lambda: clops.cross_entropy_bwd(queue, cla.to_device(queue, rnd((3, 10), 12).astype(ml_dtypes.bfloat16)), ok,
+                                         lse, dl, dlogits=x)),
+        (TypeError, "lse: dtype must be float32, got float16",
+         lambda: clops.cross_entropy_bwd(queue, x, ok, cla.to_device(queue, rnd(3, 9).astype(np.float16)), dl)),
         (ValueError, "dlogits: shares memory with lse",
          lambda: clops.cross_entropy_bwd(queue, one, ok * 0, lse, dl, dlogits=lse.reshape(3, 1))),
     ]

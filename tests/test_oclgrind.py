@@ -40,6 +40,10 @@ def _tiles(*configs):
     return list(configs)
 
 
+NARROW = ("float16", "bfloat16")  # numpy knows bfloat16 by name once ml_dtypes is imported (clops imports it)
+NARROW_TOL = 1e-2  # relative L2 of a 16-bit result: its one rounding (bfloat16: at most 2⁻⁸ of each element)
+
+
 def _expect(name, got, want, tol=1e-5):
     from clops.reference import rel_err
 
@@ -196,6 +200,13 @@ def run_cross_entropy(queue):
             _expect("cross_entropy lse", lse, want_lse, 1e-6)
             _expect("cross_entropy_bwd", clops.cross_entropy_bwd(queue, x_, t, lse, dl_, label_smoothing=0.1, softcap=cap),
                     ref.cross_entropy_bwd(x, t, lse.get(), dloss, label_smoothing=0.1, softcap=cap))
+    for dtype in NARROW:
+        x16 = x.astype(dtype)
+        dx16 = cla.to_device(queue, x16)
+        loss, lse = clops.cross_entropy(queue, dx16, t)
+        _expect(f"cross_entropy lse {dtype}", lse, ref.cross_entropy(x16, t)[1], 1e-6)
+        _expect(f"cross_entropy_bwd {dtype}", clops.cross_entropy_bwd(queue, dx16, t, lse, dl_),
+                ref.cross_entropy_bwd(x16, t, lse.get(), dloss), NARROW_TOL)
     tuning.override("cross_entropy", {}, None)
 
 
@@ -213,6 +224,12 @@ def run_adamw(queue):
         for got, want in zip(clops.adamw(queue, dp, dg, dm, dv, lr=0.01, step=3, weight_decay=0.1),
                              ref.adamw(p, g, m, v, lr=0.01, step=3, weight_decay=0.1)):
             _expect("adamw", got, want, 1e-6)
+    for dtype in NARROW:  # a 16-bit g read, a 16-bit p_half written
+        dp, dg, dm, dv = (cla.to_device(queue, a) for a in (p, g.astype(dtype), m, v))
+        half = cla.empty(queue, p.shape, dtype)
+        clops.adamw(queue, dp, dg, dm, dv, lr=0.01, step=3, weight_decay=0.1, p_half=half)
+        _expect(f"adamw p_half {dtype}", half, ref.adamw(p, g.astype(dtype), m, v, lr=0.01, step=3, weight_decay=0.1)[0],
+                NARROW_TOL)
     tuning.override("adamw", {}, None)
 
 
@@ -233,6 +250,11 @@ def run_embedding(queue):
         _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
         _expect("embedding_bwd", clops.embedding_bwd(queue, i_, d_, vocab=9, invalid=invalid),
                 ref.embedding_bwd(ids, dout, 9), 1e-6)
+    for dtype in NARROW:
+        t16, d16 = table.astype(dtype), dout.astype(dtype)
+        _expect(f"embedding {dtype}", clops.embedding(queue, cla.to_device(queue, t16), i_), ref.embedding(t16, ids), 0)
+        _expect(f"embedding_bwd {dtype}", clops.embedding_bwd(queue, i_, cla.to_device(queue, d16), vocab=9),
+                ref.embedding_bwd(ids, d16, 9), NARROW_TOL)
     tuning.override("embedding", {}, None)
 
 
