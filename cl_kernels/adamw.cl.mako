@@ -44,13 +44,13 @@ void adamw(__global float *restrict p, __global float *restrict m, __global floa
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
             ${vtype(vw)} p_ = ${vload(vw, "p", at("p", "i", vw))}, m_ = ${vload(vw, "m", at("m", "i", vw))};
-            ${vtype(vw)} v_ = ${vload(vw, "v", at("v", "i", vw))}, g_ = ${load(gst, vw, "g", at("g", "i", vw))};
+            ${vtype(vw)} v_ = ${vload(vw, "v", at("v", "i", vw))}, g_ = ${load(gst, vw, "g", at("g", "i", vw), aligned=True)};
             ${update(vtype(vw))}
             ${vstore(vw, "pi", "p", at("p", "i", vw))};
             ${vstore(vw, "m_", "m", at("m", "i", vw))};
             ${vstore(vw, "v_", "v", at("v", "i", vw))};
 % if pst:
-            ${store(pst, vw, "pi", "p_half", at("p_half", "i", vw))};
+            ${store(pst, vw, "pi", "p_half", at("p_half", "i", vw), aligned=True)};
 % endif
         } else {
             for (idx_t j = i; j < n; ++j) {
