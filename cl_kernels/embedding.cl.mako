@@ -18,13 +18,13 @@
 //
 // Parameters: WG work-items per group, COUNT whether invalid ids are counted,
 // IDX the index type (uint when every index fits 32 bits, else ulong), ST the
-// storage type of table, out, dout and dtable.
+// storage type of table, out and dout, GST that of dtable (float32 or ST).
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define B (2 * WG)
 typedef ${idx} idx_t;
 ${common.guards()}\
-${common.storage(st)}\
+${common.storage(st, gst)}\
 <% invalid_arg = ", __global int *restrict invalid" if count else "" %>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -102,7 +102,7 @@ void bitonic_global(__global ulong *restrict keys, const uint size, const uint s
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void embedding_accumulate(__global ${ctype(st)} *restrict dtable, __global const ${ctype(st)} *restrict dout,
+void embedding_accumulate(__global ${ctype(gst)} *restrict dtable, __global const ${ctype(st)} *restrict dout,
                           __global const ulong *restrict keys, const uint n, const uint d,
                           const int acc${checked_args("dtable", "dout", "keys")})
 {
@@ -117,13 +117,13 @@ void embedding_accumulate(__global ${ctype(st)} *restrict dtable, __global const
             hi = mid;
     }
     for (uint j = lid; j < d; j += WG) {
-        float sum = acc ? ${load(st, 1, "dtable", at("dtable", "v * d + j"))} : 0.0f;
+        float sum = acc ? ${load(gst, 1, "dtable", at("dtable", "v * d + j"))} : 0.0f;
         for (uint k = lo; k < n; ++k) {
             const ulong key = keys[${at("keys", "k")}];
             if (key >> 32 != v)
                 break;
             sum += ${load(st, 1, "dout", at("dout", "(idx_t)(uint)key * d + j"))};
         }
-        ${store(st, 1, "sum", "dtable", at("dtable", "v * d + j"))};
+        ${store(gst, 1, "sum", "dtable", at("dtable", "v * d + j"))};
     }
 }

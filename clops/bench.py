@@ -218,7 +218,7 @@ def _embedding(backward, n, vocab, d):
                     ids.nbytes + 2 * table.dtype.itemsize * n * d)
         dout = data.get((n, d), 2)
         return (lambda: clops.embedding_bwd(queue, ids, dout, vocab=vocab, allocator=data.pool),
-                ids.nbytes + dout.dtype.itemsize * (n + vocab) * d)
+                ids.nbytes + dout.dtype.itemsize * n * d + 4 * vocab * d)  # dtable: float32
 
     return setup
 

@@ -2,9 +2,11 @@
 Template: ``embedding.cl.mako``.
 
 ``table [vocab, d]``, ``ids [n]`` int32 (a device array, or a numpy array that is checked on the
-host and copied without waiting), ``out``/``dout [n, d]``; table, out, dout and dtable share one
-dtype, float32, float16 or bfloat16 (the lookup copies the stored values; the gradient sums each
-dtable element in float32, a given dtable's value first, and rounds it once). Ids outside
+host and copied without waiting), ``out``/``dout [n, d]``; table, out and dout share one
+dtype, float32, float16 or bfloat16 (the lookup copies the stored values). dtable, the table's
+gradient, is float32 when the op makes it (it has no table argument to take a dtype from), float32
+or dout's dtype when given; each element is summed in float32, a given dtable's value first, and
+rounded once. Ids outside
 ``[0, vocab)`` are refused when they come from the host; on the device they read nothing (their
 output row is zeros, their gradient is dropped) and, when an int32 ``[1]`` device array
 ``invalid=`` is given, are counted into it. The gradient sorts the (id, token) pairs on the device (a bitonic sort, no
@@ -18,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import (FLOATS, I32, check_array, check_queue, events, hold, index_array, index_type, outputs,
+from .args import (F32, FLOATS, I32, check_array, check_queue, events, hold, index_array, index_type, outputs,
                    positive_int, scratch, storage, wrote)
 from .spec import Spec
 
@@ -30,7 +32,7 @@ def heuristic(dev, sc):
 SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
             rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
             local_bytes=lambda p, sc: 16 * p["wg"],
-            render=lambda p, sc: dict(p, st="float"),  # the storage type: each call passes its own
+            render=lambda p, sc: dict(p, st="float", gst="float"),  # storage types: each call passes its own
             doc="embedding and embedding_bwd: wg work-items per group")
 
 
@@ -40,8 +42,9 @@ def _invalid(queue, invalid):
     return invalid
 
 
-def _kernels(queue, invalid, dtype, *sizes):
-    p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes), st=storage(dtype))
+def _kernels(queue, invalid, dtype, *sizes, grad_dtype=F32):
+    p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes), st=storage(dtype),
+                          gst=storage(grad_dtype))
     return p["wg"], knl
 
 
@@ -70,7 +73,8 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
 
 def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_for=None, allocator=None):
     """``dtable [vocab, d]``: row v is the sum of the ``dout`` rows of the tokens whose id is v, in
-    token order; a given ``dtable`` (of ``dout``'s dtype) has the gradient added into it."""
+    token order; float32 when made here, a given ``dtable`` (float32 or ``dout``'s dtype) has the
+    gradient added into it."""
     check_queue(queue)
     vocab = positive_int("vocab", vocab)
     if vocab >= 2**31:
@@ -82,9 +86,12 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
     ids = index_array("ids", ids, queue, (n,), below=vocab, allocator=allocator)
     invalid = _invalid(queue, invalid)
     accumulate = dtable is not None
-    (dtable,) = outputs(queue, allocator, [("dtable", dtable, (vocab, d))],
-                        [("ids", ids), ("dout", dout), ("invalid", invalid)], dtype=dout.dtype)
-    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d)
+    grad_dtypes = (F32, dout.dtype) if dout.dtype != F32 else F32
+    if dtable is not None:
+        check_array("dtable", dtable, queue, shape=(vocab, d), dtype=grad_dtypes)
+    (dtable,) = outputs(queue, allocator, [("dtable", dtable, (vocab, d), F32 if dtable is None else dtable.dtype)],
+                        [("ids", ids), ("dout", dout), ("invalid", invalid)])
+    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, grad_dtype=dtable.dtype)
     block = 2 * wg
     padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
     keys = scratch(queue, 2 * padded, allocator)  # ulong keys
