@@ -20,8 +20,10 @@ ${common.guards()}\
 ${common.storage(st, gst)}\
 
 ## One kernel: `outs` written, `ins` read with the same index, `gathers`
-## (name, index expression over element index {e}) read per element,
-## `body(T)` the math on values of type T (float or floatN).
+## (name, "row" or "col") read per element at its row or column of the
+## [n / width, width] view, `body(T)` the math on values of type T (float or
+## floatN). A vector's lanes take the first lane's row and column, stepped (one
+## division per vector, not per lane: per lane it made 16-bit storage compute-bound).
 <%def name="kernel(name, outs, ins, body, gathers=(), scalars=())">
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o in outs] + ["__global const %s *restrict %s_in" % (ctype(st), i) for i in ins] + ["__global const %s *restrict %s_src" % (ctype(gst), g) for g, _ in gathers] + ["const idx_t n"] + list(scalars))}${checked_args(*["%s_out" % o for o in outs], *["%s_in" % i for i in ins], *["%s_src" % g for g, _ in gathers])})
@@ -33,13 +35,28 @@ void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o 
 % for x in ins:
             ${vtype(vw)} ${x} = ${load(st, vw, x + "_in", at(x + "_in", "i", vw), aligned=True)};
 % endfor
-% for g, expr in gathers:
-%   if vw == 1:
-            float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", expr.format(e="i")))};
-%   else:
-            ${vtype(vw)} ${g} = (${vtype(vw)})(${", ".join(load(gst, 1, g + "_src", at(g + "_src", expr.format(e="(i + %d)" % l))) for l in range(vw))});
-%   endif
-% endfor
+% if gathers:
+            const idx_t row = i / width, col = i - row * width;
+%   for g, kind in gathers:
+%     if vw == 1:
+            float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", kind))};
+%     else:
+            ${vtype(vw)} ${g};
+            {
+                idx_t r = row, c = col;
+%       for l in range(vw):
+%         if l:
+                if (++c == width) {  // the vector crosses into the next row
+                    c = 0;
+                    ++r;
+                }
+%         endif
+                ${g}.s${"%x" % l} = ${load(gst, 1, g + "_src", at(g + "_src", "r" if kind == "row" else "c"))};
+%       endfor
+            }
+%     endif
+%   endfor
+% endif
 % for o in outs:
             ${vtype(vw)} ${o};
 % endfor
@@ -52,8 +69,8 @@ void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o 
 % for x in ins:
                 float ${x} = ${load(st, 1, x + "_in", at(x + "_in", "j"))};
 % endfor
-% for g, expr in gathers:
-                float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", expr.format(e="j")))};
+% for g, kind in gathers:
+                float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", "j / width" if kind == "row" else "j % width"))};
 % endfor
 % for o in outs:
                 float ${o};
@@ -102,9 +119,9 @@ void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o 
 ${kernel("swiglu_fwd", ["c"], ["a", "b"], swiglu)}
 ${kernel("swiglu_bwd", ["da", "db"], ["a", "b", "dc"], swiglu_grad)}
 ${kernel("swiglu_limit_fwd", ["c"], ["a", "b"], swiglu_limit, scalars=["const float limit", "const float scale"])}
-${kernel("swiglu_limit_rows_fwd", ["c"], ["a", "b"], swiglu_limit_rows, gathers=[("rw", "{e} / width")], scalars=["const float limit", "const float scale", "const idx_t width"])}
-${kernel("swiglu_gated_fwd", ["c"], ["a", "b"], swiglu_gated, gathers=[("gate", "{e} % width")], scalars=["const idx_t width"])}
-${kernel("swiglu_gated_bwd", ["da", "db"], ["a", "b", "dc"], swiglu_gated_grad, gathers=[("gate", "{e} % width")], scalars=["const idx_t width"])}
+${kernel("swiglu_limit_rows_fwd", ["c"], ["a", "b"], swiglu_limit_rows, gathers=[("rw", "row")], scalars=["const float limit", "const float scale", "const idx_t width"])}
+${kernel("swiglu_gated_fwd", ["c"], ["a", "b"], swiglu_gated, gathers=[("gate", "col")], scalars=["const idx_t width"])}
+${kernel("swiglu_gated_bwd", ["da", "db"], ["a", "b", "dc"], swiglu_gated_grad, gathers=[("gate", "col")], scalars=["const idx_t width"])}
 ${kernel("sigmoid_gate_fwd", ["c"], ["a", "b"], sigmoid_gate)}
 ${kernel("sigmoid_gate_bwd", ["da", "db"], ["a", "b", "dc"], sigmoid_gate_grad)}
 ${kernel("add", ["c"], ["a", "b"], add)}
