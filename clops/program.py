@@ -98,8 +98,15 @@ def store(st, vw, val, ptr, idx):
     return f"vstore{vw}(clops_float{vw}_to_bf16({val}), 0, {ptr} + ({idx}))"
 
 
+def vptr(st, vw):
+    """The element type a buffer of storage type ``st`` is declared with when it is read and written
+    ``vw`` elements at a time at vector indices (``loadv`` / ``storev``): floatN, half, ushortN."""
+    return {"float": vtype(vw), "half": "half", "bf16": "ushort" if vw == 1 else f"ushort{vw}"}[st]
+
+
 # String helpers every template sees beside its parameters.
-_HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore, "ctype": ctype, "load": load, "store": store}
+_HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore, "ctype": ctype, "load": load, "store": store,
+            "vptr": vptr}
 
 
 def _guard_helpers(checked, sites):
@@ -121,7 +128,34 @@ def _guard_helpers(checked, sites):
             return ""
         return "".join([", __global uint *restrict clops_err"] + [f", const ulong {b}_bytes" for b in bufs])
 
-    return {"at": at, "checked_args": checked_args}
+    # Vector-indexed access (every vector aligned to its size: rows start on vector boundaries) to a
+    # buffer declared `vptr(st, vw) *`, guarded through `at`: a float buffer is a floatN array as
+    # before, a bf16 one a ushortN array, a half one goes through vloada_halfN / vstorea_halfN_rte
+    # (whose offsets count vectors; the guard counts halves).
+    def _half_offset(ptr, vidx, vw):
+        return vidx if not checked else f"({at(ptr, f'({vidx}) * {vw}', vw)}) / {vw}"
+
+    def loadv(st, vw, ptr, vidx):
+        """``vw`` elements of storage type ``st`` at vector index ``vidx`` of ``ptr``, widened to float(vw)."""
+        if st == "float":
+            return f"{ptr}[{at(ptr, vidx)}]"
+        if st == "bf16":
+            return f"clops_bf16_to_float{'' if vw == 1 else vw}({ptr}[{at(ptr, vidx)}])"
+        if vw == 1:
+            return f"vload_half({at(ptr, vidx)}, {ptr})"
+        return f"vloada_half{vw}({_half_offset(ptr, vidx, vw)}, {ptr})"
+
+    def storev(st, vw, val, ptr, vidx):
+        """Round float(vw) ``val`` to nearest even in storage type ``st``, store it at vector index ``vidx``."""
+        if st == "float":
+            return f"{ptr}[{at(ptr, vidx)}] = {val}"
+        if st == "bf16":
+            return f"{ptr}[{at(ptr, vidx)}] = clops_float{'' if vw == 1 else vw}_to_bf16({val})"
+        if vw == 1:
+            return f"vstore_half_rte({val}, {at(ptr, vidx)}, {ptr})"
+        return f"vstorea_half{vw}_rte({val}, {_half_offset(ptr, vidx, vw)}, {ptr})"
+
+    return {"at": at, "checked_args": checked_args, "loadv": loadv, "storev": storev}
 
 
 def _render(template, params):
