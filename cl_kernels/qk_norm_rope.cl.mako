@@ -1,9 +1,11 @@
 // clops per-head q/k RMSNorm with partial RoPE: forward and backward (dx and
 // the gain gradient's partial sums).
 //
-// Layout: x, y, dy, dx are [n, heads, HD] row-major float32: n·heads units of
-// HD floats; w is [HD]; inv is [n, heads]; rope is [window, HALF] float2
-// (cos, sin). Unit u is token row u / heads at position (u / heads) % window.
+// Layout: x, y, dy, dx are [n, heads, HD] row-major of storage type ST (float,
+// half or bf16: loads widen, math is float32, stores round to nearest even):
+// n·heads units of HD values; w is [HD] of storage type WST; inv is
+// [n, heads] float; rope is [window, HALF] float2 (cos, sin). Unit u is token
+// row u / heads at position (u / heads) % window.
 // Half-split RoPE: dims (i, i + HALF), i < HALF, rotate; dims ≥ 2·HALF pass.
 //
 // A work-group of WG work-items handles UPG units at a time; TPU = WG/UPG
@@ -22,11 +24,12 @@
 // Parameters: HD head dim, HALF rotary half (0: no rotation, no rope
 // argument), WG work-items per group, VW vector width (divides HD), UPG units
 // per step, CH vectors per work-item per unit, RB units per backward group,
-// IDX the index type.
-<%page args="hd, half, wg, vw, upg, ch, rb, idx"/>
+// IDX the index type, ST / WST the storage types above.
+<%page args="hd, half, wg, vw, upg, ch, rb, idx, st, wst"/>
 <%namespace name="common" file="common.cl.mako"/>
 <% tpu = wg // upg %>
 ${common.guards()}\
+${common.storage(st, wst)}\
 #define HD ${hd}
 #define HALF ${half}
 #define HV (HD / ${vw})
@@ -94,8 +97,9 @@ def lanes_sum(vw, v):
 </%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out, __global const vec *restrict x,
-                      __global const vec *restrict w, ${rope_arg()}const idx_t units, const uint heads,
+void qk_norm_rope_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict inv_out,
+                      __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
+                      ${rope_arg()}const idx_t units, const uint heads,
                       const uint window, const float eps,
                       const float w_offset${checked_args("y", "inv_out", "x", "w", *(["rope"] if half else []))})
 {
@@ -107,7 +111,7 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     float ss = 0.0f;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
-        v[k] = (ok && j < HV) ? x[${at("x", "base + j")}] : (vec)(0.0f);
+        v[k] = (ok && j < HV) ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
         const vec sq = v[k] * v[k];
         ss += ${lanes_sum(vw, "sq")};
     }
@@ -117,7 +121,7 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
         if (j < HV)
-            v[k] = v[k] * inv * (w[${at("w", "j")}] + w_offset);
+            v[k] = v[k] * inv * (${loadv(wst, vw, "w", "j")} + w_offset);
     }
 % if half:
     ${rotate("v", False)}
@@ -127,7 +131,7 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
         if (j < HV)
-            y[${at("y", "base + j")}] = v[k];
+            ${storev(st, vw, "v[k]", "y", "base + j")};
     }
     if (t == 0)
         inv_out[${at("inv_out", "unit")}] = inv;
@@ -135,16 +139,17 @@ void qk_norm_rope_fwd(__global vec *restrict y, __global float *restrict inv_out
 
 // g = R⁻¹·dy; dx = inv·w·g − x·inv³/HD·Σ g·w·x (written); partial[b] = Σ_units g·x·inv.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial, __global const vec *restrict x,
-                      __global const vec *restrict w, __global const float *restrict inv, ${rope_arg()}
-                      __global const vec *restrict dy, const idx_t units, const uint heads, const uint window,
+void qk_norm_rope_bwd(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict partial,
+                      __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
+                      __global const float *restrict inv, ${rope_arg()}
+                      __global const ${vptr(st, vw)} *restrict dy, const idx_t units, const uint heads, const uint window,
                       const float w_offset${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), "dy")})
 {
     ${setup()}
     vec we[CH], acc[CH];
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPU;
-        we[k] = j < HV ? w[${at("w", "j")}] + w_offset : (vec)(0.0f);
+        we[k] = j < HV ? ${loadv(wst, vw, "w", "j")} + w_offset : (vec)(0.0f);
         acc[k] = (vec)(0.0f);
     }
     const idx_t first = (idx_t)get_group_id(0) * RB;
@@ -158,7 +163,7 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
         vec g[CH], xv[CH];
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
-            g[k] = (ok && j < HV) ? dy[${at("dy", "base + j")}] : (vec)(0.0f);
+            g[k] = (ok && j < HV) ? ${loadv(st, vw, "dy", "base + j")} : (vec)(0.0f);
         }
 % if half:
         ${rotate("g", True)}
@@ -166,7 +171,7 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
         float s = 0.0f;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
-            xv[k] = (ok && j < HV) ? x[${at("x", "base + j")}] : (vec)(0.0f);
+            xv[k] = (ok && j < HV) ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
             const vec p = g[k] * we[k] * xv[k];
             s += ${lanes_sum(vw, "p")};
         }
@@ -176,7 +181,7 @@ void qk_norm_rope_bwd(__global vec *restrict dx, __global vec *restrict partial,
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
             if (ok && j < HV)
-                dx[${at("dx", "base + j")}] = iv * we[k] * g[k] - xv[k] * coef;
+                ${storev(st, vw, "iv * we[k] * g[k] - xv[k] * coef", "dx", "base + j")};
             acc[k] += g[k] * xv[k] * iv;
         }
     }

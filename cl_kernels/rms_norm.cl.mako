@@ -1,8 +1,11 @@
 // clops RMSNorm family: forward, backward (dx) and the gain gradient.
 //
-// Layout: x, y, dy, dx are [n, d] row-major float32; w is [d]; inv is [n]
-// (1/rms of each row). Arrays are read through VW-wide vector pointers, so
-// VW divides d and every row starts on a vector boundary (the host picks VW).
+// Layout: x, y, dy, dx are [n, d] row-major of storage type ST (float, half or
+// bf16: loads widen, math is float32, stores round to nearest even); w is [d]
+// of storage type WST; inv is [n] float (1/rms of each row); dw is [d] of
+// storage type DWST. Arrays are read VW elements at a time at vector indices
+// (program.loadv / storev), so VW divides d and every row starts on a vector
+// boundary (the host picks VW).
 //
 // Row kernels (kind "rows"): a work-group of WG work-items handles RPG rows;
 // TPR = WG/RPG consecutive work-items share a row, work-item t taking the
@@ -22,10 +25,11 @@
 // Parameters: WG work-items per group, VW vector width, RPG rows per group,
 // CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in registers,
 // RB rows per partial block, IDX the index type (uint when every index fits
-// 32 bits, else ulong).
-<%page args="kind, wg, vw, idx, rpg=None, ch=None, cache=None, rb=None"/>
+// 32 bits, else ulong), ST / WST / DWST the storage types above.
+<%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None"/>
 <%namespace name="common" file="common.cl.mako"/>
 ${common.guards()}\
+${common.storage(st, wst, dwst)}\
 #define WG ${wg}
 #define VW ${vw}
 typedef ${idx} idx_t;
@@ -56,8 +60,8 @@ def lanes_sum(vw, v):
 </%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __global const vec *restrict x,
-                  __global const vec *restrict w, const idx_t n, const uint dv, const float d, const float eps,
+void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict inv_out,
+                  __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w, const idx_t n, const uint dv, const float d, const float eps,
                   const float w_offset${checked_args("y", "inv_out", "x", "w")})
 {
     ${row_setup()}
@@ -67,7 +71,7 @@ void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __
     float ss = 0.0f;
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
-        const vec v = (ok && j < dv) ? x[${at("x", "base + j")}] : (vec)(0.0f);
+        const vec v = (ok && j < dv) ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
 % if cache:
         xs[k] = v;
 % endif
@@ -82,7 +86,7 @@ void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
-            y[${at("y", "base + j")}] = ${"xs[k]" if cache else "x[%s]" % at("x", "base + j")} * inv * (w[${at("w", "j")}] + w_offset);
+            ${storev(st, vw, "%s * inv * (%s + w_offset)" % ("xs[k]" if cache else loadv(st, vw, "x", "base + j"), loadv(wst, vw, "w", "j")), "y", "base + j")};
     }
     if (t == 0)
         inv_out[${at("inv_out", "row")}] = inv;
@@ -90,8 +94,9 @@ void rms_norm_fwd(__global vec *restrict y, __global float *restrict inv_out, __
 
 // dx = inv·w·dy − x·inv³/d·Σ dy·w·x  (written, not accumulated); eps only for d = 1
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __global const vec *restrict w,
-                  __global const float *restrict inv, __global const vec *restrict dy, const idx_t n,
+void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(st, vw)} *restrict x,
+                  __global const ${vptr(wst, vw)} *restrict w, __global const float *restrict inv,
+                  __global const ${vptr(st, vw)} *restrict dy, const idx_t n,
                   const uint dv, const float d, const float eps, const float w_offset${checked_args("dx", "x", "w", "inv", "dy")})
 {
     ${row_setup()}
@@ -102,8 +107,8 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         const bool live = ok && j < dv;
-        const vec xv = live ? x[${at("x", "base + j")}] : (vec)(0.0f);
-        const vec gv = live ? dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset) : (vec)(0.0f);
+        const vec xv = live ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
+        const vec gv = live ? ${loadv(st, vw, "dy", "base + j")} * (${loadv(wst, vw, "w", "j")} + w_offset) : (vec)(0.0f);
 % if cache:
         xs[k] = xv;
         gs[k] = gv;
@@ -119,7 +124,7 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
     if (dv == 1) {
         // One column: inv·g·(1 − x²·inv²) cancels catastrophically in float; 1 − x²·inv² is eps·inv².
         if (t == 0)
-            dx[${at("dx", "base")}] = iv * (dy[${at("dy", "base")}] * (w[${at("w", "0")}] + w_offset)) * (eps * iv * iv);
+            ${storev(st, 1, "iv * (%s * (%s + w_offset)) * (eps * iv * iv)" % (loadv(st, 1, "dy", "base"), loadv(wst, 1, "w", "0")), "dx", "base")};
         return;
     }
 % endif
@@ -128,9 +133,9 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
         const uint j = t + k * TPR;
         if (j < dv)
 % if cache:
-            dx[${at("dx", "base + j")}] = iv * gs[k] - xs[k] * coef;
+            ${storev(st, vw, "iv * gs[k] - xs[k] * coef", "dx", "base + j")};
 % else:
-            dx[${at("dx", "base + j")}] = iv * (dy[${at("dy", "base + j")}] * (w[${at("w", "j")}] + w_offset)) - x[${at("x", "base + j")}] * coef;
+            ${storev(st, vw, "iv * (%s * (%s + w_offset)) - %s * coef" % (loadv(st, vw, "dy", "base + j"), loadv(wst, vw, "w", "j"), loadv(st, vw, "x", "base + j")), "dx", "base + j")};
 % endif
     }
 }
@@ -139,8 +144,8 @@ void rms_norm_bwd(__global vec *restrict dx, __global const vec *restrict x, __g
 #define RB ${rb}
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void rms_norm_dw_partial(__global vec *restrict partial, __global const vec *restrict x,
-                         __global const float *restrict inv, __global const vec *restrict dy, const idx_t n,
+void rms_norm_dw_partial(__global vec *restrict partial, __global const ${vptr(st, vw)} *restrict x,
+                         __global const float *restrict inv, __global const ${vptr(st, vw)} *restrict dy, const idx_t n,
                          const uint dv${checked_args("partial", "x", "inv", "dy")})
 {
     const uint j = get_group_id(0) * WG + get_local_id(0);
@@ -150,13 +155,14 @@ void rms_norm_dw_partial(__global vec *restrict partial, __global const vec *res
     const idx_t r1 = min(n, r0 + RB);
     vec acc = (vec)(0.0f);
     for (idx_t r = r0; r < r1; ++r)
-        acc += dy[${at("dy", "r * dv + j")}] * x[${at("x", "r * dv + j")}] * inv[${at("inv", "r")}];
+        acc += ${loadv(st, vw, "dy", "r * dv + j")} * ${loadv(st, vw, "x", "r * dv + j")} * inv[${at("inv", "r")}];
     partial[${at("partial", "(idx_t)get_group_id(1) * dv + j")}] = acc;
 }
 
-// dw[c] (+)= Σ_b partial[b, c], b in order: the same bits on every run.
+// dw[c] (+)= Σ_b partial[b, c], b in order: the same bits on every run; added to a
+// given dw in float, then rounded once to its storage type.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void column_sum(__global float *restrict dw, __global const float *restrict partial, const uint rows,
+void column_sum(__global ${vptr(dwst, 1)} *restrict dw, __global const float *restrict partial, const uint rows,
                 const uint cols, const int accumulate${checked_args("dw", "partial")})
 {
     const uint c = get_group_id(0) * WG + get_local_id(0);
@@ -165,6 +171,6 @@ void column_sum(__global float *restrict dw, __global const float *restrict part
     float s = 0.0f;
     for (uint b = 0; b < rows; ++b)
         s += partial[${at("partial", "(idx_t)b * cols + c")}];
-    dw[${at("dw", "c")}] = accumulate ? dw[${at("dw", "c")}] + s : s;
+    ${storev(dwst, 1, "accumulate ? %s + s : s" % loadv(dwst, 1, "dw", "c"), "dw", "c")};
 }
 % endif

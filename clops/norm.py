@@ -3,6 +3,10 @@
 ``y = x·inv·w_eff`` over the last axis of ``x [n, d]``, ``inv = 1/sqrt(mean(x²) + eps)``,
 ``w_eff = w`` or, with ``gemma=True``, ``1 + w``. Outputs must not overlap inputs.
 
+Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, float16 or
+bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
+float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
+
 Tuning (``clops.tuning``; the specs ``ROWS`` and ``DW``), shape class ``{"d": d}``:
 
 - op ``"rms_norm"`` (``rms_norm`` and ``rms_norm_bwd``): ``wg`` work-items per group,
@@ -17,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .args import (check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type, outputs,
-                   scratch, wrote)
+from .args import (F32, FLOATS, check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type,
+                   outputs, scratch, storage, wrote)
 from .spec import Spec
 
 TEMPLATE = "rms_norm.cl.mako"
@@ -60,8 +64,13 @@ def _vw_rule(p):
     return p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"
 
 
+# Storage types (clops.args.storage) are render extras each call passes (st: activations, wst: the
+# gain, dwst: the gain gradient); float32 unless told.
+_FLOAT32 = {"st": "float", "wst": "float", "dwst": "float"}
+
+
 def _render_rows(p, sc):
-    p = dict(p, kind="rows", vw=vector_width(p["vw"], sc["d"]))
+    p = dict(p, kind="rows", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32)
     p["ch"] = -(-sc["d"] // (p["vw"] * (p["wg"] // p["rpg"])))
     p["cache"] = p["ch"] <= MAX_CACHED
     return p
@@ -78,7 +87,7 @@ DW = Spec(
     "rms_norm_dw", TEMPLATE, ("wg", "vw", "rb"),
     lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
     heuristic_dw, rules=lambda p, sc: (_vw_rule(p),),
-    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"])),
+    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32),
     doc="rms_norm_dw and the column sum of qk_norm_rope_bwd: wg columns per group, vw vector width, "
         "rb rows per partial block")
 
@@ -96,27 +105,34 @@ def check_eps(eps):
 
 
 def _check_x(queue, x):
-    check_array("x", x, queue, ndim=2)
+    check_array("x", x, queue, ndim=2, dtype=FLOATS)
     return x.shape
 
 
-def _row_kernel(queue, name, n, d):
+def check_gain(name, w, queue, x, shape):
+    """A gain (or its gradient) ``w`` of ``shape``: float32 or the dtype of the activations ``x``."""
+    return check_array(name, w, queue, shape=shape, dtype=(x.dtype, F32) if x.dtype != F32 else F32)
+
+
+def _row_kernel(queue, name, n, d, st="float", wst="float"):
     sc = {"d": d}
     p = ROWS.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
-    _, knl = ROWS.kernels(queue, sc, idx=idx)
+    _, knl = ROWS.kernels(queue, sc, idx=idx, st=st, wst=wst)
     sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
     return knl[name], (-(-n // p["rpg"]),), sizes
 
 
 def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for=None, allocator=None):
-    """``(y, inv)``: RMSNorm of ``x [n, d]`` with gain ``w [d]``; ``inv [n]`` = 1/rms of each row."""
+    """``(y, inv)``: RMSNorm of ``x [n, d]`` with gain ``w [d]``; ``y`` of ``x``'s dtype, ``inv [n]``
+    (float32) = 1/rms of each row."""
     check_queue(queue)
     eps = check_eps(eps)
     n, d = _check_x(queue, x)
-    check_array("w", w, queue, shape=(d,))
-    y, inv = outputs(queue, allocator, [("out", out, (n, d)), ("inv", inv, (n,))], [("x", x), ("w", w)])
-    knl, groups, sizes = _row_kernel(queue, "rms_norm_fwd", n, d)
+    check_gain("w", w, queue, x, (d,))
+    y, inv = outputs(queue, allocator, [("out", out, (n, d)), ("inv", inv, (n,), F32)], [("x", x), ("w", w)],
+                     dtype=x.dtype)
+    knl, groups, sizes = _row_kernel(queue, "rms_norm_fwd", n, d, storage(x.dtype), storage(w.dtype))
     evt = knl(queue, groups, [y.base_data, inv.base_data, x.base_data, w.base_data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, y, inv, x, w))
     hold([evt], y, inv, x, w)
@@ -124,7 +140,7 @@ def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for
 
 
 def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_for=None, allocator=None):
-    """``dx = inv·w_eff·dy − x·inv³/d·Σ dy·w_eff·x`` (written, not accumulated).
+    """``dx = inv·w_eff·dy − x·inv³/d·Σ dy·w_eff·x`` (written, not accumulated; ``x``'s dtype).
 
     ``eps`` (the forward's) is used only at ``d = 1``, where that formula cancels
     catastrophically in float32 and ``dx = w_eff·dy·eps·inv³`` is used instead.
@@ -132,11 +148,12 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
     check_queue(queue)
     eps = check_eps(eps)
     n, d = _check_x(queue, x)
-    check_array("w", w, queue, shape=(d,))
+    check_gain("w", w, queue, x, (d,))
     check_array("inv", inv, queue, shape=(n,))
-    check_array("dy", dy, queue, shape=(n, d))
-    (dx,) = outputs(queue, allocator, [("dx", dx, (n, d))], [("x", x), ("w", w), ("inv", inv), ("dy", dy)])
-    knl, groups, sizes = _row_kernel(queue, "rms_norm_bwd", n, d)
+    check_array("dy", dy, queue, shape=(n, d), dtype=x.dtype, like="x")
+    (dx,) = outputs(queue, allocator, [("dx", dx, (n, d))], [("x", x), ("w", w), ("inv", inv), ("dy", dy)],
+                    dtype=x.dtype)
+    knl, groups, sizes = _row_kernel(queue, "rms_norm_bwd", n, d, storage(x.dtype), storage(w.dtype))
     evt = knl(queue, groups, [dx.base_data, x.base_data, w.base_data, inv.base_data, dy.base_data, *sizes, eps, gain_offset(gemma)],
               wait_for=events(wait_for, dx, x, w, inv, dy))
     hold([evt], dx, x, w, inv, dy)
@@ -144,27 +161,30 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
 
 
 def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None):
-    """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in row order; returns the event."""
+    """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in row order, in float32, then
+    rounded once to ``dw``'s dtype; returns the event."""
     sc = {"d": cols}
     p = DW.params(queue.device, sc)
-    _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]))
+    _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]), st="float",
+                        dwst=storage(dw.dtype))
     return knl["column_sum"](queue, (-(-cols // p["wg"]),),
                              [dw.base_data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
                              wait_for=events(wait_for, dw))
 
 
 def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
-    """``dw [d] = Σ_rows dy·x·inv``; with ``dw`` given, the gradient is added into it."""
+    """``dw [d] = Σ_rows dy·x·inv`` (float32, whatever the dtype of ``x`` and ``dy``); with ``dw``
+    given, the gradient is added into it."""
     check_queue(queue)
     n, d = _check_x(queue, x)
     check_array("inv", inv, queue, shape=(n,))
-    check_array("dy", dy, queue, shape=(n, d))
+    check_array("dy", dy, queue, shape=(n, d), dtype=x.dtype, like="x")
     accumulate = dw is not None
     (dw,) = outputs(queue, allocator, [("dw", dw, (d,))], [("x", x), ("inv", inv), ("dy", dy)])
     sc = {"d": d}
     p = DW.params(queue.device, sc)
     idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
-    _, knl = DW.kernels(queue, sc, idx=idx)
+    _, knl = DW.kernels(queue, sc, idx=idx, st=storage(x.dtype), dwst="float")
     blocks = -(-n // p["rb"])
     partial = scratch(queue, blocks * d, allocator)  # per-block column sums
     dv = d // p["vw"]

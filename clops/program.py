@@ -101,8 +101,15 @@ def store(st, vw, val, ptr, idx, aligned=False):
     return f"vstore{vw}({val}, 0, {ptr} + ({idx}))"
 
 
+def vptr(st, vw):
+    """The element type a buffer of storage type ``st`` is declared with when it is read and written
+    ``vw`` elements at a time at vector indices (``loadv`` / ``storev``): floatN, or ushortN bits."""
+    return vtype(vw) if st == "float" else "ushort" if vw == 1 else f"ushort{vw}"
+
+
 # String helpers every template sees beside its parameters.
-_HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore, "ctype": ctype, "load": load, "store": store}
+_HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore, "ctype": ctype, "load": load, "store": store,
+            "vptr": vptr}
 
 
 def _guard_helpers(checked, sites):
@@ -124,7 +131,22 @@ def _guard_helpers(checked, sites):
             return ""
         return "".join([", __global uint *restrict clops_err"] + [f", const ulong {b}_bytes" for b in bufs])
 
-    return {"at": at, "checked_args": checked_args}
+    # Vector-indexed access (every vector aligned to its size: rows start on vector boundaries) to a
+    # buffer declared `vptr(st, vw) *`, guarded through `at`: a floatN array as before, or a ushortN
+    # one converted in registers (as load / store with aligned=True).
+    def loadv(st, vw, ptr, vidx):
+        """``vw`` elements of storage type ``st`` at vector index ``vidx`` of ``ptr``, widened to float(vw)."""
+        if st == "float":
+            return f"{ptr}[{at(ptr, vidx)}]"
+        return f"clops_{st}_to_float{'' if vw == 1 else vw}({ptr}[{at(ptr, vidx)}])"
+
+    def storev(st, vw, val, ptr, vidx):
+        """Round float(vw) ``val`` to nearest even in storage type ``st``, store it at vector index ``vidx``."""
+        if st == "float":
+            return f"{ptr}[{at(ptr, vidx)}] = {val}"
+        return f"{ptr}[{at(ptr, vidx)}] = clops_float{'' if vw == 1 else vw}_to_{st}({val})"
+
+    return {"at": at, "checked_args": checked_args, "loadv": loadv, "storev": storev}
 
 
 def _render(template, params):

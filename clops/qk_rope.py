@@ -11,6 +11,11 @@ length and may be given shorter (a table too short for ``window`` is an error). 
 (``half = 0``): pass ``rope=None`` or the empty ``[table, 0, 2]`` array (pyopencl holds
 such arrays without a buffer); ``window`` is then ignored. Outputs must not overlap inputs.
 
+Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, float16 or
+bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
+float32 or that dtype, and ``dw`` takes ``w``'s (summed in float32, rounded once); ``inv`` and
+``rope`` are float32 always.
+
 Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
 two ≤ ``vw`` dividing ``hd`` is used), ``upg`` units (row, head) handled at a time by a
@@ -23,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl.array as cla
 
-from .args import (check_array, check_queue, events, hold, index_scalar, index_type, outputs, positive_int, scratch,
-                   wrote)
+from .args import (F32, FLOATS, check_array, check_queue, events, hold, index_scalar, index_type, outputs,
+                   positive_int, scratch, storage, wrote)
 from .norm import VECTOR_WIDTHS, check_eps, column_sum, gain_offset, pow2_ceil, vector_width
 from .spec import Spec
 
@@ -49,7 +54,7 @@ def local_bytes(p, sc):
 
 def _render(p, sc):
     hd = sc["hd"]
-    p = dict(p, hd=hd, vw=vector_width(p["vw"], hd))
+    p = dict(p, hd=hd, vw=vector_width(p["vw"], hd), st="float", wst="float")  # storage types: each call's own
     p["ch"] = -(-hd // (p["vw"] * (p["wg"] // p["upg"])))
     return p
 
@@ -67,8 +72,8 @@ SPEC = Spec(
 
 def _geometry(queue, x, w):
     """(n, heads, hd) of ``x`` with gain ``w``; the head dim is checked."""
-    check_array("x", x, queue)
-    check_array("w", w, queue, ndim=1)
+    check_array("x", x, queue, dtype=FLOATS)
+    check_array("w", w, queue, ndim=1, dtype=(x.dtype, F32) if x.dtype != F32 else F32)
     hd = w.shape[0]
     if x.ndim == 3:
         if x.shape[2] != hd:
@@ -107,11 +112,11 @@ def _rope(queue, rope, hd, window):
     return half, window, rope
 
 
-def _kernel(queue, name, units, hd, half):
+def _kernel(queue, name, units, hd, half, st="float", wst="float"):
     sc = {"hd": hd}
     p = SPEC.params(queue.device, sc)
     idx = index_type(units * hd + p["rb"] * hd)
-    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx)
+    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst)
     return p, knl[name], index_scalar(idx)(units)
 
 
@@ -122,9 +127,9 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=No
     eps = check_eps(eps)
     n, heads, hd = _geometry(queue, x, w)
     half, window, rope = _rope(queue, rope, hd, window)
-    y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads))],
-                     [("x", x), ("w", w), ("rope", rope)])
-    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half)
+    y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads), F32)],
+                     [("x", x), ("w", w), ("rope", rope)], dtype=x.dtype)
+    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype))
     args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
     args += [units, np.uint32(heads), np.uint32(window), eps, gain_offset(gemma)]
     evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope))
@@ -136,17 +141,18 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
                      allocator=None):
     """``(dx, dw)``: the inverse rotation of ``dy``, then the RMSNorm backward.
 
-    ``dx`` is written; ``dw [hd]`` is summed over rows and heads, written, or added into a given ``dw``.
+    ``dx`` is written; ``dw [hd]`` (``w``'s dtype) is summed over rows and heads, written, or added into a
+    given ``dw``.
     """
     check_queue(queue)
     n, heads, hd = _geometry(queue, x, w)
     half, window, rope = _rope(queue, rope, hd, window)
     check_array("inv", inv, queue, shape=(n, heads))
-    check_array("dy", dy, queue, shape=x.shape)
+    check_array("dy", dy, queue, shape=x.shape, dtype=x.dtype, like="x")
     accumulate = dw is not None
-    dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,))],
-                     [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)])
-    p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half)
+    dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,), w.dtype)],
+                     [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)], dtype=x.dtype)
+    p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype))
     blocks = -(-int(units) // p["rb"])
     partial = scratch(queue, blocks * hd, allocator)  # per-block column sums
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])

@@ -1,5 +1,14 @@
 """RMSNorm parity (forward, dx, dw; both gain styles) at the seed's shape and edge shapes, launch-parameter
-variants through the tuning override, deterministic dw, and bad input rejected before anything runs."""
+variants through the tuning override, deterministic dw, and bad input rejected before anything runs; the
+same ops at float16 / bfloat16 storage.
+
+Tolerances. float32 storage: relative L2 error against the float64 reference, 1e-6 forward (y, inv) and
+1e-5 for the gradients (dx, dw). float16 / bfloat16 storage: the reference takes the same rounded inputs
+(x, w, dy) and, for the backward, the device's own inv; every stored 16-bit output is within 1 ulp of
+its dtype of the float64 result rounded once, the ulp taken at the row's scale (the largest |value| of
+the row), plus the float32 tolerance above relative to that scale (tests/helpers.assert_storage_close);
+float32 outputs (inv, rms_norm_dw's dw) keep the float32 tolerances."""
+import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -12,7 +21,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
 from clops.reference import rel_err, rnd
-from helpers import to_device
+from helpers import assert_storage_close, to_device
 
 
 def _parity(queue, x, w, dy, gemma, eps=1e-6):
@@ -28,8 +37,11 @@ def _parity(queue, x, w, dy, gemma, eps=1e-6):
     return y.get(), inv.get()
 
 
+SHAPES = [(37, 5120), (7, 1), (5, 3), (3, 4097), (1, 5120), (1, 1), (65, 8)]
+
+
 @pytest.mark.parametrize("gemma", [False, True])
-@pytest.mark.parametrize("n,d", [(37, 5120), (7, 1), (5, 3), (3, 4097), (1, 5120), (1, 1), (65, 8)])
+@pytest.mark.parametrize("n,d", SHAPES)
 def test_matches_reference(queue, n, d, gemma):
     _parity(queue, rnd((n, d), 1, 3.0), rnd(d, 2, 0.5), rnd((n, d), 3, 1.0), gemma)
 
@@ -135,3 +147,64 @@ def test_checked_build_catches_out_of_range_rows(queue, monkeypatch):
     knl, groups, sizes = norm._row_kernel(queue, "rms_norm_fwd", 5, d)
     with pytest.raises(OutOfBoundsError, match=r"rms_norm_fwd .*(x|y|inv_out)\["):
         knl(queue, groups, [y.data, inv.data, X.data, W.data, *sizes, np.float32(1e-6), np.float32(0)])
+
+
+# ---- float16 / bfloat16 storage ----
+
+NARROW = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+@pytest.mark.parametrize("case", range(len(SHAPES) + 1))
+def test_narrow_storage(queue, dtype, case):
+    """rms_norm, rms_norm_bwd and rms_norm_dw at 16-bit storage, at every edge shape and rows of zeros
+    and of 1e4; the gain style and the gain's dtype (float32 or the activations') alternate."""
+    if case < len(SHAPES):
+        (n, d), scale = SHAPES[case], 3.0
+    else:
+        (n, d), scale = (9, 300), 1e4
+    x, dy = rnd((n, d), 1, scale).astype(dtype), rnd((n, d), 3, 1.0).astype(dtype)
+    if case == len(SHAPES):
+        x[[0, 4, 8]] = 0
+    gemma, wdtype = case % 2 == 1, dtype if case % 4 < 2 else np.dtype(np.float32)
+    w = rnd(d, 2, 0.5).astype(wdtype)
+    X, W, DY = to_device(queue, x, w, dy)
+    y, inv = clops.rms_norm(queue, X, W, gemma=gemma)
+    wy, winv = ref.rms_norm(x, w, gemma=gemma)
+    assert_storage_close("y", y, wy, dtype, 1e-6)
+    assert inv.dtype == np.float32 and rel_err(inv.get(), winv) <= 1e-6
+    dx = clops.rms_norm_bwd(queue, X, W, inv, DY, gemma=gemma)
+    # The stored inv, except at d = 1: there dx = inv·w·dy·(1 − x²·inv²) cancels to w·dy·eps·inv³, and the
+    # formula's float64 value at a float32 inv is off by inv's rounding; the float64 inv is taken (as above).
+    assert_storage_close("dx", dx, ref.rms_norm_bwd(x, w, winv if d == 1 else inv.get(), dy, gemma=gemma), dtype,
+                         1e-5)
+    base = rnd(d, 4, 2.0)
+    (DW,) = to_device(queue, base)
+    assert clops.rms_norm_dw(queue, X, inv, DY, dw=DW) is DW
+    wdw = ref.rms_norm_dw(x, inv.get(), dy)
+    assert rel_err(DW.get(), base + wdw) <= 1e-5
+    dw = clops.rms_norm_dw(queue, X, inv, DY)
+    assert dw.dtype == np.float32 and rel_err(dw.get(), wdw) <= 1e-5
+    if case == len(SHAPES):
+        assert np.all(y.get()[[0, 4, 8]] == 0)
+
+
+def test_narrow_dtypes_are_checked(queue):
+    n, d = 3, 8
+    xb = cla.to_device(queue, rnd((n, d), 1).astype(ml_dtypes.bfloat16))
+    wh = cla.to_device(queue, rnd(d, 2).astype(np.float16))
+    w32, inv = cla.to_device(queue, rnd(d, 2)), cla.to_device(queue, rnd(n, 3))
+    with pytest.raises(TypeError, match="w: dtype must be bfloat16 or float32, got float16"):
+        clops.rms_norm(queue, xb, wh)
+    with pytest.raises(TypeError, match=r"dy: dtype must be bfloat16 \(that of x\), got float32"):
+        clops.rms_norm_bwd(queue, xb, w32, inv, cla.to_device(queue, rnd((n, d), 4)))
+    with pytest.raises(TypeError, match="inv: dtype must be float32, got bfloat16"):
+        clops.rms_norm_bwd(queue, xb, w32, cla.zeros(queue, n, ml_dtypes.bfloat16), xb)
+    with pytest.raises(TypeError, match="out: dtype must be bfloat16, got float32"):
+        clops.rms_norm(queue, xb, w32, out=cla.zeros(queue, (n, d), np.float32))
+    with pytest.raises(TypeError, match="inv: dtype must be float32, got bfloat16"):
+        clops.rms_norm(queue, xb, w32, inv=cla.zeros(queue, n, ml_dtypes.bfloat16))
+    with pytest.raises(TypeError, match="dw: dtype must be float32, got bfloat16"):
+        clops.rms_norm_dw(queue, xb, inv, xb, dw=cla.zeros(queue, d, ml_dtypes.bfloat16))
+    with pytest.raises(TypeError, match="w: dtype must be float32, got bfloat16"):
+        clops.rms_norm(queue, cla.to_device(queue, rnd((n, d), 1)), cla.zeros(queue, d, ml_dtypes.bfloat16))

@@ -112,6 +112,32 @@ def run_norm(queue):
         _expect("rms_norm_dw", clops.rms_norm_dw(queue, x_, inv, dy_), wdw)
         acc = cla.to_device(queue, w)
         _expect("rms_norm_dw (accumulated)", clops.rms_norm_dw(queue, x_, inv, dy_, dw=acc), wdw + w)
+        if d > 1:
+            _norm_narrow(queue, x, w, dy)
+
+
+def _narrow_dtypes():
+    """(activations' dtype, gain's dtype) of the 16-bit runs: half with a float32 gain, bf16 with a bf16 one."""
+    import ml_dtypes
+
+    return [(np.dtype(np.float16), np.dtype(np.float32)), (np.dtype(ml_dtypes.bfloat16),) * 2]
+
+
+def _norm_narrow(queue, x, w, dy):
+    """The row and gain-gradient kernels at 16-bit storage (within a few storage ulps of the reference)."""
+    import pyopencl.array as cla
+
+    import clops
+    from clops import reference as ref
+
+    for dt, wdt in _narrow_dtypes():
+        xn, wn, dyn = x.astype(dt), w.astype(wdt), dy.astype(dt)
+        x_, w_, dy_ = (cla.to_device(queue, a) for a in (xn, wn, dyn))
+        y, inv = clops.rms_norm(queue, x_, w_)
+        _expect(f"rms_norm y {dt}", y, ref.rms_norm(xn, wn)[0], 1e-2)
+        _expect(f"rms_norm_bwd {dt}", clops.rms_norm_bwd(queue, x_, w_, inv, dy_), ref.rms_norm_bwd(xn, wn, inv.get(), dyn),
+                1e-2)
+        _expect(f"rms_norm_dw {dt}", clops.rms_norm_dw(queue, x_, inv, dy_), ref.rms_norm_dw(xn, inv.get(), dyn))
 
 
 def run_qk_norm_rope(queue):
@@ -137,6 +163,17 @@ def run_qk_norm_rope(queue):
             dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
             _expect("qk_norm_rope_bwd dx", dx, wdx)
             _expect("qk_norm_rope_bwd dw", dw, wdw)
+        table = ref.rope_table(window, 4)
+        rope_ = cla.to_device(queue, table)
+        for dt, wdt in _narrow_dtypes():  # 16-bit storage, the column sum rounding dw to a 16-bit gain's dtype
+            xn, wn, dyn = x.astype(dt), w.astype(wdt), dy.astype(dt)
+            xn_, wn_, dyn_ = (cla.to_device(queue, a) for a in (xn, wn, dyn))
+            y, inv = clops.qk_norm_rope(queue, xn_, wn_, rope_)
+            _expect(f"qk_norm_rope y {dt}", y, ref.qk_norm_rope(xn, wn, table)[0], 1e-2)
+            wdx, wdw = ref.qk_norm_rope_bwd(xn, wn, inv.get(), table, dyn)
+            dx, dw = clops.qk_norm_rope_bwd(queue, xn_, wn_, inv, rope_, dyn_)
+            _expect(f"qk_norm_rope_bwd dx {dt}", dx, wdx, 1e-2)
+            _expect(f"qk_norm_rope_bwd dw {dt}", dw, wdw, 1e-2)
 
 
 def run_attention(queue):

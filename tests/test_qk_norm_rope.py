@@ -1,7 +1,17 @@
 """Per-head q/k RMSNorm + partial RoPE parity (y, inv, dx, dw; both gain styles) at the seed's shape, head dims
 4…512, half from 0 to hd/2, both x layouts, a window shorter than the table (positions restart every window);
-launch-parameter variants; deterministic dw; bad input rejected before anything runs."""
+launch-parameter variants; deterministic dw; bad input rejected before anything runs; the same ops at
+float16 / bfloat16 storage.
 
+Tolerances (as tests/test_norm.py): float32 storage, relative L2 error against the float64 reference,
+1e-6 forward (y, inv) and 1e-5 for the gradients (dx, dw). float16 / bfloat16 storage: the reference
+takes the same rounded inputs (x, w, dy) and the device's own inv; every stored 16-bit output (y, dx,
+and dw when w is 16-bit) is within 1 ulp of its dtype of the float64 result rounded once, the ulp
+taken at the row's scale (the largest |value| of the (row, head) unit; of the whole dw), plus the
+float32 tolerance relative to that scale (tests/helpers.assert_storage_close); float32 outputs (inv,
+dw of a float32 w) keep the float32 tolerances."""
+
+import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -15,7 +25,7 @@ from clops.program import OutOfBoundsError
 
 from clops import qk_rope as qkr  # noqa: E402
 from clops.reference import rel_err, rnd
-from helpers import to_device
+from helpers import assert_storage_close, to_device
 
 
 def _parity(queue, x, w, table, dy, gemma, window=None, flat=False):
@@ -42,8 +52,7 @@ def _data(n, heads, hd, seed=7, scale=2.0):
     return rnd((n, heads, hd), seed, scale), rnd(hd, seed + 1, 0.3), rnd((n, heads, hd), seed + 2, 1.0)
 
 
-@pytest.mark.parametrize("gemma", [True, False])
-@pytest.mark.parametrize("window,windows,heads,hd,half", [
+SHAPES = [  # window, windows, heads, hd, half
     (19, 2, 3, 256, 32),   # the seed's test
     (8, 2, 4, 64, 0),
     (8, 2, 4, 64, 32),
@@ -52,7 +61,11 @@ def _data(n, heads, hd, seed=7, scale=2.0):
     (7, 1, 2, 4, 1),
     (3, 2, 1, 512, 100),
     (4, 2, 3, 12, 6),
-])
+]
+
+
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("window,windows,heads,hd,half", SHAPES)
 def test_matches_reference(queue, window, windows, heads, hd, half, gemma):
     x, w, dy = _data(window * windows, heads, hd)
     _parity(queue, x, w, ref.rope_table(window, half) if half else None, dy, gemma)
@@ -202,3 +215,64 @@ def test_checked_build_catches_a_table_read_past_its_end(queue, monkeypatch):
             np.float32(1)]
     with pytest.raises(OutOfBoundsError, match=r"qk_norm_rope_fwd .*rope\["):
         knl(queue, (-(-5 // p["upg"]),), args)
+
+
+# ---- float16 / bfloat16 storage ----
+
+NARROW = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+@pytest.mark.parametrize("case", range(len(SHAPES) + 1))
+def test_narrow_storage(queue, dtype, case):
+    """qk_norm_rope and its backward at 16-bit storage at every edge shape, and units of zeros among
+    values of 1e4; the gain style and the gain's dtype (float32 or the activations', then dw's too)
+    alternate; a 16-bit dw given is added into in float32 and rounded once."""
+    if case < len(SHAPES):
+        window, windows, heads, hd, half = SHAPES[case]
+        scale = 2.0
+    else:
+        window, windows, heads, hd, half, scale = 5, 2, 3, 128, 48, 1e4
+    x, w, dy = _data(window * windows, heads, hd, scale=scale)
+    if case == len(SHAPES):
+        x[[0, 7]] = 0
+        x[3, 1] = 0
+    gemma, wdtype = case % 2 == 0, dtype if case % 4 < 2 else np.dtype(np.float32)
+    x, w, dy = x.astype(dtype), w.astype(wdtype), dy.astype(dtype)
+    table = ref.rope_table(window, half)
+    X, W, DY, R = to_device(queue, x, w, dy, table)
+    y, inv = clops.qk_norm_rope(queue, X, W, R if half else None, gemma=gemma)
+    wy, winv = ref.qk_norm_rope(x, w, table, gemma=gemma)
+    assert_storage_close("y", y, wy, dtype, 1e-6)
+    assert inv.dtype == np.float32 and rel_err(inv.get(), winv) <= 1e-6
+    base = rnd(hd, 5, 2.0).astype(wdtype)
+    (DW,) = to_device(queue, base)
+    dx, dw = clops.qk_norm_rope_bwd(queue, X, W, inv, R if half else None, DY, gemma=gemma, dw=DW)
+    assert dw is DW
+    wdx, wdw = ref.qk_norm_rope_bwd(x, w, inv.get(), table, dy, gemma=gemma)
+    assert_storage_close("dx", dx, wdx, dtype, 1e-5)
+    _, dw = clops.qk_norm_rope_bwd(queue, X, W, inv, R if half else None, DY, gemma=gemma)
+    if wdtype == np.float32:
+        assert dw.dtype == np.float32 and rel_err(dw.get(), wdw) <= 1e-5
+        assert rel_err(DW.get(), base + wdw) <= 1e-5
+    else:
+        assert_storage_close("dw", dw, wdw, dtype, 1e-5)
+        assert_storage_close("dw (added into)", DW, base.astype(np.float64) + wdw, dtype, 1e-5)
+    if case == len(SHAPES):
+        assert np.all(y.get()[[0, 7]] == 0) and np.all(y.get()[3, 1] == 0)
+
+
+def test_narrow_dtypes_are_checked(queue):
+    x = cla.to_device(queue, rnd((4, 2, 8), 1).astype(np.float16))
+    w16, w32 = cla.to_device(queue, rnd(8, 2).astype(np.float16)), cla.to_device(queue, rnd(8, 2))
+    inv = cla.to_device(queue, rnd((4, 2), 3))
+    with pytest.raises(TypeError, match="w: dtype must be float16 or float32, got bfloat16"):
+        clops.qk_norm_rope(queue, x, cla.zeros(queue, 8, ml_dtypes.bfloat16), None)
+    with pytest.raises(TypeError, match="rope: dtype must be float32, got float16"):
+        clops.qk_norm_rope(queue, x, w16, cla.zeros(queue, (4, 2, 2), np.float16))
+    with pytest.raises(TypeError, match="dw: dtype must be float32, got float16"):
+        clops.qk_norm_rope_bwd(queue, x, w32, inv, None, x, dw=cla.zeros(queue, 8, np.float16))
+    with pytest.raises(TypeError, match="dw: dtype must be float16, got float32"):
+        clops.qk_norm_rope_bwd(queue, x, w16, inv, None, x, dw=cla.zeros(queue, 8, np.float32))
+    with pytest.raises(TypeError, match="dx: dtype must be float16, got float32"):
+        clops.qk_norm_rope_bwd(queue, x, w16, inv, None, x, dx=cla.zeros(queue, (4, 2, 8), np.float32))
