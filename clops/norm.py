@@ -114,13 +114,18 @@ def check_gain(name, w, queue, x, shape):
     return check_array(name, w, queue, shape=shape, dtype=(x.dtype, F32) if x.dtype != F32 else F32)
 
 
-def _row_kernel(queue, name, n, d, st="float", wst="float"):
+def _row_plan(queue, name, n, d, st, wst):
     sc = {"d": d}
     p = ROWS.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
     _, knl = ROWS.kernels(queue, sc, idx=idx, st=st, wst=wst)
     sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
     return knl[name], (-(-n // p["rpg"]),), sizes
+
+
+def _row_kernel(queue, name, n, d, st="float", wst="float"):
+    """(kernel, grid, size arguments) of row kernel ``name``: one memo lookup when warm."""
+    return ROWS.plan(queue, (name, n, d, st, wst), _row_plan, name, n, d, st, wst)
 
 
 def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for=None, allocator=None):
@@ -163,13 +168,16 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_f
 def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None):
     """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in row order, in float32, then
     rounded once to ``dw``'s dtype; returns the event."""
+    knl, groups, sizes = DW.plan(queue, ("column_sum", rows, cols, dw.dtype), _column_sum_plan, rows, cols, dw.dtype)
+    return knl(queue, groups, [dw.base_data, partial, *sizes, np.int32(accumulate)], wait_for=events(wait_for, dw))
+
+
+def _column_sum_plan(queue, rows, cols, dtype):
     sc = {"d": cols}
     p = DW.params(queue.device, sc)
     _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]), st="float",
-                        dwst=storage(dw.dtype))
-    return knl["column_sum"](queue, (-(-cols // p["wg"]),),
-                             [dw.base_data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate)],
-                             wait_for=events(wait_for, dw))
+                        dwst=storage(dtype))
+    return knl["column_sum"], (-(-cols // p["wg"]),), (np.uint32(rows), np.uint32(cols))
 
 
 def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):

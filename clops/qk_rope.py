@@ -113,6 +113,11 @@ def _rope(queue, rope, hd, window):
 
 
 def _kernel(queue, name, units, hd, half, st="float", wst="float"):
+    """(params, kernel, units as its index type): one memo lookup when warm."""
+    return SPEC.plan(queue, (name, units, hd, half, st, wst), _plan, name, units, hd, half, st, wst)
+
+
+def _plan(queue, name, units, hd, half, st, wst):
     sc = {"hd": hd}
     p = SPEC.params(queue.device, sc)
     idx = index_type(units * hd + p["rb"] * hd)
