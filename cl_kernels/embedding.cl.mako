@@ -7,7 +7,9 @@
 // row is zeros, its gradient row is dropped, and with COUNT it adds 1 to
 // invalid[0] (an integer atomic; no float atomics anywhere).
 //
-// embedding_fwd: one work-group per token row, work-items across columns.
+// embedding_fwd: one work-group per token row, work-items across the row's
+// bits in units of UNIT (the widest of uint4, uint2, uint, ushort that divides
+// a row's bytes: a 16-bit row moves 16 bytes per access as a float32 one does).
 // The gradient, without atomics: the keys id·2³² + i (id = vocab for an id
 // out of range) are sorted (a bitonic sort over NP = n rounded up to a power of
 // two, padded with ~0: embedding_keys, then bitonic_block for every stride
@@ -18,7 +20,8 @@
 //
 // Parameters: WG work-items per group, COUNT whether invalid ids are counted,
 // IDX the index type (uint when every index fits 32 bits, else ulong), ST the
-// storage type of table, out and dout, GST that of dtable (float32 or ST).
+// storage type of table, out and dout, GST that of dtable (float32 or ST),
+// UNIT the lookup's copy type.
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define B (2 * WG)
@@ -28,7 +31,7 @@ ${common.storage(st, gst)}\
 <% invalid_arg = ", __global int *restrict invalid" if count else "" %>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void embedding_fwd(__global ${ctype(st)} *restrict out, __global const ${ctype(st)} *restrict table, __global const int *restrict ids${invalid_arg},
+void embedding_fwd(__global ${unit} *restrict out, __global const ${unit} *restrict table, __global const int *restrict ids${invalid_arg},
                    const uint vocab, const uint d${checked_args("out", "table", "ids", *(["invalid"] if count else []))})
 {
     const uint lid = get_local_id(0);
@@ -39,8 +42,8 @@ void embedding_fwd(__global ${ctype(st)} *restrict out, __global const ${ctype(s
     if (!ok && lid == 0)
         atomic_inc(invalid);
 % endif
-    for (uint j = lid; j < d; j += WG)  // the stored bits copied; 0 is +0 in every storage type
-        out[${at("out", "i * d + j")}] = ok ? table[${at("table", "(idx_t)id * d + j")}] : 0;
+    for (uint j = lid; j < d; j += WG)  // d counts units here; the stored bits copied, 0 is +0 in every type
+        out[${at("out", "i * d + j")}] = ok ? table[${at("table", "(idx_t)id * d + j")}] : (${unit})0;
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))

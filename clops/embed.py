@@ -32,7 +32,7 @@ def heuristic(dev, sc):
 SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
             rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
             local_bytes=lambda p, sc: 16 * p["wg"],
-            render=lambda p, sc: dict(p, st="float", gst="float"),  # storage types: each call passes its own
+            render=lambda p, sc: dict(p, st="float", gst="float", unit="uint"),  # each call passes its own
             doc="embedding and embedding_bwd: wg work-items per group")
 
 
@@ -42,10 +42,14 @@ def _invalid(queue, invalid):
     return invalid
 
 
-def _kernels(queue, invalid, dtype, *sizes, grad_dtype=F32):
+def _kernels(queue, invalid, dtype, *sizes, grad_dtype=F32, unit="uint"):
     p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes), st=storage(dtype),
-                          gst=storage(grad_dtype))
+                          gst=storage(grad_dtype), unit=unit)
     return p["wg"], knl
+
+
+# The lookup's copy unit: the widest whose size divides a row's bytes.
+_UNITS = ((16, "uint4"), (8, "uint2"), (4, "uint"), (2, "ushort"))
 
 
 def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, allocator=None):
@@ -62,9 +66,11 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
     invalid = _invalid(queue, invalid)
     (out,) = outputs(queue, allocator, [("out", out, (n, d))], [("table", table), ("ids", ids), ("invalid", invalid)],
                      dtype=table.dtype)
-    wg, knl = _kernels(queue, invalid, table.dtype, n * d, vocab * d)
+    size, unit = next((size, unit) for size, unit in _UNITS if d * table.dtype.itemsize % size == 0)
+    units = d * table.dtype.itemsize // size  # per row
+    wg, knl = _kernels(queue, invalid, table.dtype, n * units, vocab * units, unit=unit)
     evt = knl["embedding_fwd"](queue, (n,), [out.base_data, table.base_data, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
-                               + [np.uint32(vocab), np.uint32(d)], wait_for=events(wait_for, out, table, ids, invalid))
+                               + [np.uint32(vocab), np.uint32(units)], wait_for=events(wait_for, out, table, ids, invalid))
     hold([evt], out, table, ids, invalid)
     if invalid is not None:
         wrote([evt], invalid)
