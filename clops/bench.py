@@ -55,7 +55,8 @@ DTYPES = {"float32": F32, "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": n
 # name up to a space or a '+') is here; an op joins the set when it is converted.
 NARROW_OPS = frozenset({"swiglu", "swiglu_bwd", "swiglu_limit", "swiglu_gated", "swiglu_gated_bwd", "sigmoid_gate",
                         "sigmoid_gate_bwd", "add", "cross_entropy", "cross_entropy_bwd", "embedding",
-                        "embedding_bwd", "adamw"})
+                        "embedding_bwd", "adamw", "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope",
+                        "qk_norm_rope_bwd"})
 
 
 def bench_op(name):
@@ -171,7 +172,7 @@ def _norm_bwd(n, d):
             return clops.rms_norm_bwd(queue, x, w, inv, dy, allocator=data.pool), \
                 clops.rms_norm_dw(queue, x, inv, dy, allocator=data.pool)
 
-        return call, 4 * (3 * n * d + n + 2 * d)
+        return call, x.dtype.itemsize * 3 * n * d + 4 * n + w.nbytes + 4 * d  # x, dy, dx; inv; w; dw (float32)
 
     return setup
 
@@ -380,8 +381,8 @@ def benches(small):
         Bench("sigmoid_gate_bwd", nd, "GB/s", _mem("sigmoid_gate_bwd", [a, b, dc])),
         Bench("add", nd, "GB/s", _mem("add", [a, b])),
         Bench("rms_norm", nd, "GB/s", _mem("rms_norm", [a, ((d,), 2)]), (("F.rms_norm", _peer_rms(n, d, False)),)),
-        Bench("rms_norm_bwd", nd, "GB/s", _mem("rms_norm_bwd", [a, ((d,), 2), ((n,), 7, 0.5), dc])),
-        Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5), dc])),
+        Bench("rms_norm_bwd", nd, "GB/s", _mem("rms_norm_bwd", [a, ((d,), 2), ((n,), 7, 0.5, F32), dc])),
+        Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5, F32), dc])),
         Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
     ]
     g = 256 if small else 4096
