@@ -269,11 +269,16 @@ def wait_list(wait_for, context):
 
 def events(wait_for, *arrays):
     """The events a launch waits on: ``wait_for`` (see :func:`wait_list`; checked against the arrays'
-    context) plus those pending on the arrays it touches."""
+    context) plus those pending on the arrays it touches, each once (an op's outputs share their
+    events, and every entry of a wait list costs the driver time)."""
     out = [] if wait_for is None else wait_list(wait_for, next(a.context for a in arrays if a is not None))
+    seen = {id(e) for e in out}
     for a in arrays:
         if a is not None:
-            out.extend(a.events)
+            for e in a.events:
+                if id(e) not in seen:
+                    seen.add(id(e))
+                    out.append(e)
     return out
 
 
