@@ -44,8 +44,21 @@
 // dP (P passes through local memory), and in dkv the first half accumulates dV,
 // the second dK: one matrix per work-item, so its tiles can be twice as large
 // for the same registers, and fewer local loads feed each multiply-add.
+//
+// Variants (flags; causal = 1 and the others 0 give the kernels described above):
+// causal = 0: every key of the window is seen; sliding: only keys with
+// i − W < j (and, not causal, j < i + W), the blocks outside that band skipped;
+// softcap: S becomes cap·tanh(S·c2) in the log2 domain (c2 = scale / c, cap =
+// c·log2 e) and dS takes the factor 1 − tanh²; varlen: window w is the sequence
+// cu[w] .. cu[w + 1] (Tmax the longest); a group past its sequence's end visits
+// no block and stores nothing (no early return: see attention_fwd.cl.mako).
+// With any variant but softcap alone, `ds` holds R floats per (token, head) row,
+// [n, nh, R]: key j of query i at j (R = T or Tmax) or, sliding, at j − i + W − 1
+// (R = W causal, 2W − 1 not).
 <%!
     import math
+
+    from clops.attn import visible_condition
 %>
 <%
     # step 1's parameters; dqs has no step 1 (None fails loudly if one is used)
@@ -74,6 +87,37 @@
         q1 = math.gcd(bq // sq, 32 // k1)          # ...and its query rows
         staged_hd = dc == hd                       # step 1 leaves the whole head dim in local memory
         stage = max((2 * bq + 2 * bk) * (dc // vw + 1), 0 if staged_hd else nmat * jc * (hd // vw))
+    plain = causal and not sliding                 # the causal triangle's masks (the kernels without variants)
+    triangle = plain and not varlen                # dS stored as each window's causal triangle
+    tp = "Tmax" if varlen else "T"                 # the kernels' length argument
+
+    def visible(i, j):                             # query position i sees key position j (None: always)
+        return visible_condition(causal, sliding, i, j)
+
+    def edges(q0, k0, nq, nk):
+        """Conditions that some query of [q0, q0 + nq) does not see some key of [k0, k0 + nk)."""
+        out = ["%s + %s > %s + 1" % (k0, nk, q0)] if causal else ["%s + %s > T" % (k0, nk)]
+        if sliding:
+            out.append("%s + %s > %s + W" % (q0, nq, k0))
+            if not causal:
+                out.append("%s + %s > %s + W" % (k0, nk, q0))
+        return out
+
+    def hides(qi, kj):
+        """The condition that the pair (qi, kj) of a masked block is hidden."""
+        if plain:
+            return "%s > %s || %s >= T" % (kj, qi, qi)
+        vis = visible(qi, kj)
+        return " || ".join(["%s >= T" % qi] + ([] if causal else ["%s >= T" % kj]) + (["!(%s)" % vis] if vis else []))
+
+    row_len = ("W" if causal else "2 * W - 1") if sliding else tp  # R, the floats of a stored dS row
+
+    def ds_at(qi, kj):
+        """Where the stored dS of (qi, kj) is (head h, the sequence from tok0)."""
+        if triangle:
+            return "dsbase + (idx_t)%s * (%s + 1) / 2 + %s" % (qi, qi, kj)
+        return "((idx_t)(tok0 + %s) * nh + h) * R + %s" % (qi, ("%s + W - 1 - %s" % (kj, qi)) if sliding else kj)
+
     def coef(m, i):                                # step 2's coefficient for accumulator row i
         if kind == "dqs":
             return "c%d_%d" % (m, i)
@@ -227,7 +271,7 @@ ${step2}\
 %     endif
 %     if phase != "p":
             const float dd = dsum[${at("dsum", "row")}];
-%       if store_ds:
+%       if store_ds and triangle:
             const idx_t dsrow = dsbase + (idx_t)min(qi, T - 1) * (min(qi, T - 1) + 1) / 2;
 %       endif
 %     endif
@@ -236,22 +280,33 @@ ${step2}\
                 const uint kj = k0 + tk + ${j * (bk // sk)};
                 const uint at = ${pidx("(tq + %d)" % (i * (bq // sq)), "(tk + %d)" % (j * (bk // sk)))};
                 // masked entries are selected to 0, not multiplied: a NaN of dO, V or D stays out
-                const bool hidden = ${mask} && (kj > qi || qi >= T);
+                const bool hidden = ${mask} && (${hides("qi", "kj")});
 %       if phase == "ds":
-                const float p = ${pbuf}[at / TR].s[at % TR];
+                const float ${"g" if softcap else "p"} = ${dscoef if softcap else pbuf}[at / TR].s[at % TR];
+%       elif softcap:
+                // g = P·(1 − tanh²): the cap's derivative folded into P (dS = g·(dP − D)·scale)
+                const float t = tanh(${sacc}${i}_${j} * c2);
+                const float p = hidden ? 0.0f : exp2(cap * t - l2), g = hidden ? 0.0f : p * (1.0f - t * t);
 %       else:
                 const float p = hidden ? 0.0f : exp2(${sacc}${i}_${j} * c2 - l2);
 %       endif
-%       if phase == "p" or (phase == "p+ds" and pcoef):
+%       if softcap:
+%         if phase != "ds" and pcoef:
+                ${pcoef}[at / TR].s[at % TR] = p;
+%         endif
+%         if phase == "p":
+                ${dscoef}[at / TR].s[at % TR] = g;
+%         endif
+%       elif phase == "p" or (phase == "p+ds" and pcoef):
                 ${pbuf}[at / TR].s[at % TR] = p;
 %       endif
 %       if phase != "p":
-                const float dsv = hidden ? 0.0f : p * (${dpacc}${i}_${j} - dd) * scale;
+                const float dsv = hidden ? 0.0f : ${"g" if softcap else "p"} * (${dpacc}${i}_${j} - dd) * scale;
 %         if store_ds:
                 // the visible entries, for dqs (stored before the local copy: PoCL 3.1 computed a
                 // wrong dS in the other order at one split-2 tile of tests/test_attention_bwd.py)
                 if (!hidden)
-                    ds[${at("ds", "dsrow + kj")}] = dsv;
+                    ds[${at("ds", "dsrow + kj" if triangle else ds_at("qi", "kj"))}] = dsv;
 %         endif
                 ${dscoef}[at / TR].s[at % TR] = dsv;
 %       endif
@@ -317,11 +372,15 @@ ${step2}\
 %   endif
             }
 % endif
+% if visible:
             if (${masked}) {
                 ${products(coefs, xat, visible)}
             } else {
                 ${products(coefs, xat, None)}
             }
+% else:
+            ${products(coefs, xat, None)}
+% endif
 % if not staged_hd:
             barrier(CLK_LOCAL_MEM_FENCE);
 % endif
@@ -374,8 +433,8 @@ ${step2}\
         ${"float " if what == "declare" else ""}fd${it} = 0.0f;
         {
             const uint e = lid + ${it * wg}, qi = q0 + e / JC, kj = ${j} + e % JC;
-            if (${"e < BQ * JC && " if partial else ""}qi < T && kj <= qi)
-                fd${it} = ds[${at("ds", "dsbase + (idx_t)qi * (qi + 1) / 2 + kj")}];
+            if (${"e < BQ * JC && " if partial else ""}${" && ".join(["qi < T"] + ([] if causal else ["kj < T"]) + ([visible("qi", "kj")] if visible("qi", "kj") else []))})
+                fd${it} = ds[${at("ds", ds_at("qi", "kj"))}];
         }
 %   endif
 % endfor
@@ -409,6 +468,17 @@ ${step2}\
 % endfor
 </%def>
 
+## The group's sequence: its first token tok0 and length T.
+<%def name="sequence()">${"tok0 = cu[%s], T = cu[%s] - tok0" % (at("cu", "w"), at("cu", "w + 1")) if varlen else "tok0 = w * T"}</%def>\
+## kfirst .. kend: the keys that a query of the block q0 .. qlast sees, kfirst rounded down to a
+## multiple of `align`; none past the sequence's end.
+<%def name="key_range(align)">
+<%  first = "q0 + 1 - W" if align == "1" else "(q0 + 1 - W) / %s * %s" % (align, align) %>\
+    const uint kfirst = ${"q0 + 1 > W ? %s : 0" % first if sliding else "0"};
+    const uint kend = q0 < T ? ${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} : 0;
+</%def>\
+## The variants' trailing kernel parameters (dqs takes no softcap).
+<%def name="variant_params()">${", const uint W" if sliding else ""}${", const float cap" if softcap and kind != "dqs" else ""}</%def>\
 <%def name="store(m, dst, rowexpr, pos0)">
 % for i in range(tr):
     if (${pos0} + tr * TR + ${i} < T) {
@@ -450,26 +520,41 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restrict k,
                   __global const vec_t *restrict v, __global const vec_t *restrict dO,
                   __global const float *restrict lse, __global const float *restrict dsum,
-                  __global vec_t *restrict dk, __global vec_t *restrict dv,${" __global float *restrict ds," if store_ds else ""}
-                  const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["ds"] * store_ds)})
+                  __global vec_t *restrict dk, __global vec_t *restrict dv,${" __global float *restrict ds," if store_ds else ""}${" __global const int *restrict cu," if varlen else ""}
+                  const uint ${tp}, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${variant_params()}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["ds"] * store_ds + ["cu"] * varlen)})
 {
     __local coef_t cp[BQ * BK / TR], cds[BQ * BK / TR];
     ${prologue()}
     const uint gid = get_group_id(0), per = nwin * nkv;
     const uint k0 = (gid / per) * BK, w = (gid % per) / nkv, g = (gid % per) % nkv;
-    const uint tok0 = w * T, rep = nh / nkv;
+    const uint ${sequence()}, rep = nh / nkv;
+% if store_ds and not triangle:
+    const uint R = ${row_len};
+% endif
+% if not plain or varlen:
+    // the query blocks holding a query that sees a key of the block (none past the sequence's end)
+    const uint qend = k0 < T ? ${"min(T, k0 + BK - 1 + W)" if sliding else "T"} : 0;
+% endif
     for (uint h = g * rep; h < (g + 1) * rep; ++h) {
-% if store_ds:
+% if store_ds and triangle:
         const idx_t dsbase = ((idx_t)w * nh + h) * ((idx_t)T * (T + 1) / 2);
 % endif
+% if plain and not varlen:
         for (uint q0 = (k0 / BQ) * BQ; q0 < T; q0 += BQ) {
-            const bool masked = q0 < k0 + BK || q0 + BQ > T;
+% else:
+        for (uint q0 = ${"(k0 / BQ) * BQ" if causal else ("(k0 + 1 > W ? (k0 + 1 - W) / BQ * BQ : 0)" if sliding else "0")}; q0 < qend; q0 += BQ) {
+% endif
+            const bool masked = ${"q0 < k0 + BK || q0 + BQ > T" if plain else " || ".join(edges("q0", "k0", "BQ", "BK") + ["q0 + BQ > T"])};
 <%          xsrc = [("dO", "(idx_t)(tok0 + pos) * nh + h"), ("q", "(idx_t)(tok0 + pos) * nh + h")] %>\
+% if causal:
             // query rows above the key block see none of its keys
+% endif
             ${scores("cp", "cds", lambda r, c: "%s * BK + %s" % (r, c), "masked",
-                     capture(first_chunk, xsrc, "q0 <= k0 ? k0 % BQ / JC * JC : 0", "q0"))}
-            ${accumulate(["cp", "cds"], xsrc, ["sdo", "sq_"], None, "min((uint)BQ, T - q0)", "q0",
-                            "masked", lambda j, i: "q0 + %s >= k0 + %s" % (j, i))}
+                     capture(first_chunk, xsrc, "q0 <= k0 ? k0 % BQ / JC * JC : 0" if causal else "0", "q0"))}
+            ${accumulate(["cp", "cds"], xsrc, ["sdo", "sq_"], None,
+                         "min((uint)BQ, %s - q0)" % ("T" if plain and not varlen else "qend"), "q0", "masked",
+                         (lambda j, i: "q0 + %s >= k0 + %s" % (j, i)) if plain else
+                         ((lambda j, i: visible("q0 + " + j, "k0 + " + i)) if causal or sliding else None))}
         }
     }
 % if split == 2:
@@ -489,22 +574,30 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restrict k,
                  __global const vec_t *restrict v, __global const vec_t *restrict dO,
                  __global const float *restrict lse, __global const float *restrict dsum,
-                 __global vec_t *restrict dq,
-                 const uint T, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${checked_args("q", "k", "v", "dO", "lse", "dsum", "dq")})
+                 __global vec_t *restrict dq,${" __global const int *restrict cu," if varlen else ""}
+                 const uint ${tp}, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${variant_params()}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dq"] + ["cu"] * varlen)})
 {
     __local coef_t cds[BQ * BK / TR];
     ${prologue()}
     const uint gid = get_group_id(0), per = nwin * nh;
-    const uint q0 = ((T - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;
-    const uint tok0 = w * T, g = h / (nh / nkv);
+    const uint q0 = ((${tp} - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;
+    const uint ${sequence()}, g = h / (nh / nkv);
     const uint qlast = min(q0 + BQ, T) - 1;
+% if plain and not varlen:
     for (uint k0 = 0; k0 <= qlast; k0 += BK) {
         const bool masked = k0 + BK - 1 > q0 || q0 + BQ > T;
+% else:
+    ${key_range("BK")}
+    for (uint k0 = kfirst; k0 < kend; k0 += BK) {
+        const bool masked = ${"k0 + BK - 1 > q0 || q0 + BQ > T" if plain else " || ".join(edges("q0", "k0", "BQ", "BK") + ["q0 + BQ > T"])};
+% endif
 <%      ksrc = [("k", "(idx_t)(tok0 + pos) * nkv + g")] %>\
         ${scores(None, "cds", lambda r, c: "%s * BQ + %s" % (c, r), "masked", capture(first_chunk, ksrc, "0", "k0"))}
         // keys past the block's last query (or the window) have dS = 0
-        ${accumulate(["cds"], ksrc, ["sk_"], None, "min((uint)BK, qlast + 1 - k0)", "k0",
-                      "masked", lambda j, i: "k0 + %s <= q0 + %s" % (j, i))}
+        ${accumulate(["cds"], ksrc, ["sk_"], None,
+                     "min((uint)BK, qlast + 1 - k0)" if plain and not varlen else "min((uint)BK, kend - k0)", "k0", "masked",
+                     (lambda j, i: "k0 + %s <= q0 + %s" % (j, i)) if plain else
+                     ((lambda j, i: visible("q0 + " + i, "k0 + " + j)) if causal or sliding else None))}
     }
     ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}
 }
@@ -512,19 +605,27 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
 #define JCP (JC + 1)                 // row stride of the staged dS chunk, padded against bank conflicts
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dqs(__global const vec_t *restrict k, __global const float *restrict ds,
-                  __global vec_t *restrict dq,
-                  const uint T, const uint nh, const uint nkv, const uint nwin${checked_args("k", "ds", "dq")})
+                  __global vec_t *restrict dq,${" __global const int *restrict cu," if varlen else ""}
+                  const uint ${tp}, const uint nh, const uint nkv, const uint nwin${variant_params()}${checked_args(*["k", "ds", "dq"] + ["cu"] * varlen)})
 {
     __local float sds[BQ * JCP];
     ${prologue()}
     const uint gid = get_group_id(0), per = nwin * nh;
-    const uint q0 = ((T - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;
-    const uint tok0 = w * T, g = h / (nh / nkv);
+    const uint q0 = ((${tp} - 1) / BQ - gid / per) * BQ, w = (gid % per) / nh, h = (gid % per) % nh;
+    const uint ${sequence()}, g = h / (nh / nkv);
     const uint qlast = min(q0 + BQ, T) - 1;
+% if triangle:
     const idx_t dsbase = ((idx_t)w * nh + h) * ((idx_t)T * (T + 1) / 2);
     // every key up to the block's last query, JC at a time; chunks reaching past q0 are masked
     ${accumulate(["sds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], None, "0", "qlast + 1", "0",
                   "j0 + JC > q0 + 1", lambda j, i: "%s <= q0 + %s" % (j, i))}
+% else:
+    const uint R = ${row_len};
+    ${key_range("1")}
+    // the keys that a row of the block sees, JC at a time; chunks crossing the mask's edges are masked
+    ${accumulate(["sds"], [("k", "(idx_t)(tok0 + pos) * nkv + g")], None, "kfirst", "kend", "0",
+                  " || ".join(edges("q0", "j0", "BQ", "JC")), (lambda j, i: visible("q0 + " + i, j)) if causal or sliding else None)}
+% endif
     ${store(0, "dq", "(idx_t)(tok0 + {pos}) * nh + h", "q0")}
 }
 % endif

@@ -30,12 +30,30 @@
 // Parameters: BQ query rows per group, RQ rows per work-item, TX work-items
 // across keys/columns, BK keys per block, VW vector width, DC head-dim chunk
 // of Q·Kᵀ, KC key chunk of P·V, HD head dim (HDP: padded to TX·VW).
+//
+// Variants (flags; causal = 1 and the others 0 give the kernel described above):
+// causal = 0: every key of the window is seen; sliding: only keys with
+// i − W < j (and, not causal, j < i + W), the key blocks outside that band
+// skipped; softcap: scores c·tanh(s/c) (kernel argument cap = c·log2 e, and c
+// the scale / c); varlen: window w is the sequence cu[w] .. cu[w + 1] (Tmax the
+// longest); a group past its sequence's end visits no block and stores nothing
+// (it does not return early: PoCL 3.1 and Intel's CPU runtime then stored rows
+// past the end of another group's sequence).
+<%!
+    from clops.attn import visible_condition
+%>\
 <%
     hdp = -(-hd // (tx * vw)) * (tx * vw)
     resident = dc >= hd
     pw = 4 if rq % 4 == 0 else (2 if rq % 2 == 0 else 1)
     rw = 4 if tx % 4 == 0 else (2 if tx % 2 == 0 else 1)
     comps = [""] if vw == 1 else [".s%d" % e for e in range(vw)]
+    plain = causal and not sliding                 # the causal triangle: the kernel without variants
+
+    def visible(i, j):                             # query position i sees key position j (None: always)
+        return visible_condition(causal, sliding, i, j)
+    tok0 = "tok0" if varlen else "w * T"           # the window's (sequence's) first token
+    kb_first = "0" if plain and not varlen else "kb0"  # the first key block visited
     pcomps = [""] if pw == 1 else [".s%d" % e for e in range(pw)]
     rcomps = [""] if rw == 1 else [".s%d" % e for e in range(rw)]
 %>
@@ -92,10 +110,10 @@ ${common.guards()}\
             }
 </%def>
 
-## O += P·V over the KC staged keys. In blocks crossing the diagonal (`causal`), a key
-## past a row is skipped rather than multiplied by its zero P, so a NaN in V stays out of
-## the rows that cannot see it.
-<%def name="pv(causal)">
+## O += P·V over the KC staged keys. In blocks crossing the mask's edges (`masked`), a key
+## a row does not see is skipped rather than multiplied by its zero P, so a NaN in V stays
+## out of the rows that cannot see it.
+<%def name="pv(masked)">
                 #pragma unroll
                 for (int kk = 0; kk < KC; ++kk) {
                     float pr[RQ];
@@ -111,8 +129,8 @@ ${common.guards()}\
                         const vec_t vv = vs[kk * VS + j * TX + tx];
                         #pragma unroll
                         for (int i = 0; i < RQ; ++i) {
-% if causal:
-                            if (k0 + cc * KC + kk <= q0 + ty * RQ + i)
+% if masked:
+                            if (${visible("q0 + ty * RQ + i", "k0 + cc * KC + kk")})
 % endif
                             acc[i][j] = fma((vec_t)(pr[i]), vv, acc[i][j]);
                         }
@@ -122,8 +140,9 @@ ${common.guards()}\
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restrict k,
-                   __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,
-                   const uint T, const uint nh, const uint rep, const float c${checked_args("q", "k", "v", "o", "lse")})
+                   __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,${"""
+                   __global const int *restrict cu,""" if varlen else ""}
+                   const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
 {
     // K chunks (and Q chunks unless resident), then Pᵀ and V chunks; aligned for Pᵀ's vectors too.
     __local vec_t stage[STAGE] __attribute__((aligned(16)));
@@ -141,12 +160,22 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
     const uint lid = get_local_id(0), tx = lid % TX, ty = lid / TX;
     const uint h = get_group_id(0), w = get_group_id(1);
     const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ;
+% if varlen:
+    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
+% endif
     const uint nkv = nh / rep;
     // Row strides and bases in vectors.
     const uint qstride = nh * (HD / VW), kstride = nkv * (HD / VW);
-    const idx_t qbase = (idx_t)w * T * qstride + h * (HD / VW);
-    const idx_t kbase = (idx_t)w * T * kstride + (h / rep) * (HD / VW);
+    const idx_t qbase = (idx_t)${tok0} * qstride + h * (HD / VW);
+    const idx_t kbase = (idx_t)${tok0} * kstride + (h / rep) * (HD / VW);
+% if plain and not varlen:
     const uint nkb = (min(q0 + BQ, T) - 1) / BK + 1;
+% else:
+    // the key blocks holding a key that a row of the block sees (none past the sequence's end)
+    const uint qlast = min(q0 + BQ, T) - 1;
+    const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
+    const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
+% endif
 
     vec_t acc[RQ][RDV];
     float m[RQ], l[RQ];
@@ -160,8 +189,8 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
 
     vec_t qr[QN], kr[KN], vr[VN];
     ${fetch("qr", "QN", "BQ", "DC / VW", "q", "qbase", "qstride", "q0", "0")}
-    ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "0", "0")}
-    for (uint kb = 0; kb < nkb; ++kb) {
+    ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "%s * BK" % kb_first if kb_first != "0" else "0", "0")}
+    for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
         float s[RQ][RK];
         #pragma unroll
@@ -172,7 +201,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
         for (uint dc = 0; dc < NDC; ++dc) {
             barrier(CLK_LOCAL_MEM_FENCE);
 % if resident:
-            if (kb == 0) {
+            if (kb == ${kb_first}) {
                 ${put("qs", "qr", "QN", "BQ", "DC / VW", "QKS")}
             }
 % else:
@@ -207,7 +236,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             }
         }
 
-        // Mask and scale; partial row maxima to local memory.
+        // Mask and scale${" (and cap)" if softcap else ""}; partial row maxima to local memory.
         #pragma unroll
         for (int i = 0; i < RQ; ++i) {
             const uint qi = q0 + ty * RQ + i;
@@ -215,13 +244,18 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             #pragma unroll
             for (int j = 0; j < RK; ++j) {
                 const uint kj = k0 + j * TX + tx;
-                s[i][j] = (kj <= qi && kj < T) ? s[i][j] * c : -INFINITY;
+                s[i][j] = (${" && ".join(x for x in (visible("qi", "kj"), "kj < T") if x)}) ? ${"cap * tanh(s[i][j] * c)" if softcap else "s[i][j] * c"} : -INFINITY;
                 mx = fmax(mx, s[i][j]);
             }
             reds[(ty * RQ + i) * TX + tx] = mx;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
+% if sliding:
+        // A row may see no key of the first blocks (its band starts later): m stays -inf, and
+        // mref = 0 keeps its sums at 0 rather than NaN (exp2(-inf - -inf)).
+% else:
         // Block 0 always holds key 0, visible to every row, so m is finite from the first block on.
+% endif
         float p[RQ][RK];
         #pragma unroll
         for (int i = 0; i < RQ; ++i) {
@@ -233,14 +267,17 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
                 mnew = fmax(mnew, x${e});
 % endfor
             }
-            const float corr = exp2(m[i] - mnew);
+% if sliding:
+            const float mref = mnew == -INFINITY ? 0.0f : mnew;
+% endif
+            const float corr = exp2(m[i] - ${"mref" if sliding else "mnew"});
             m[i] = mnew;
             l[i] *= corr;
             #pragma unroll
             for (int j = 0; j < RDV; ++j) acc[i][j] *= corr;
             #pragma unroll
             for (int j = 0; j < RK; ++j) {
-                p[i][j] = exp2(s[i][j] - mnew);
+                p[i][j] = exp2(s[i][j] - ${"mref" if sliding else "mnew"});
                 l[i] += p[i][j];
             }
         }
@@ -268,11 +305,20 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
 % endif
                 ${fetch("kr", "KN", "BK", "DC / VW", "k", "kbase", "kstride", "k0 + BK", "0")}
             }
-            if (k0 + BK - 1 > q0) {
+<%
+            # blocks where some row does not see some key: past the diagonal, before the band, after it
+            edges = [x for x in ("k0 + BK - 1 > q0" if causal else None, "q0 + BQ > k0 + W" if sliding else None,
+                                 "k0 + BK > q0 + W" if sliding and not causal else None) if x]
+%>\
+% if edges:
+            if (${" || ".join(edges)}) {
                 ${pv(True)}
             } else {
                 ${pv(False)}
             }
+% else:
+            ${pv(False)}
+% endif
         }
     }
 
@@ -297,7 +343,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             for (int j = 0; j < RDV; ++j) {
                 if (j * TX + tx < HD / VW) o[${at("o", "row + j * TX + tx")}] = acc[i][j] / lt;
             }
-            if (tx == 0) lse[${at("lse", "((idx_t)w * T + qi) * nh + h")}] = m[i] * M_LN2_F + log(lt);
+            if (tx == 0) lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[i] * M_LN2_F + log(lt);
         }
     }
 }

@@ -1,9 +1,16 @@
-"""Causal grouped-query attention inside windows: forward (and, below it, the backward).
+"""Grouped-query attention inside windows or sequences: forward (and, below it, the backward).
 
 Layout: q ``[n, nh, hd]``, k and v ``[n, nkv, hd]``, float32, C-contiguous;
-``n = windows · window`` tokens, attention never crosses a window and
-positions restart at 0 in each; key j is seen by query i of the same window
-iff ``j ≤ i``; query head h reads kv head ``h // (nh / nkv)``.
+``n = windows · window`` tokens (or the sequences of ``cu_seqlens``), attention
+never crosses a window and positions restart at 0 in each; key j is seen by
+query i of the same window iff ``j ≤ i`` (causal, the default; every j otherwise),
+and with a sliding window W only when ``i − W < j`` (and, not causal, ``j < i + W``);
+query head h reads kv head ``h // (nh / nkv)``.
+
+Variants are render flags of the same templates (``causal``, ``sliding``,
+``softcap``, ``varlen``; see the templates' banners), with the tiles of the
+causal kernels: causal over equal windows renders the kernels as they were
+before the variants.
 
 Forward op name in the tuning database: ``"attention_fwd"``, shape class
 ``{"hd": hd}``; its spec is ``FWD`` (and the backward's ``BWD[kind]``, see
@@ -31,24 +38,37 @@ not fit the device raises :class:`clops.LimitError` (a ValueError).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pyopencl as cl
+import pyopencl.array as cla
 
-from .args import (FLOAT32_MAX, check_array, check_queue, events, finite_float, hold, index_type, outputs, positive_int,
-                   scratch, wrote)
+from .args import (FLOAT32_MAX, I32, check_array, check_queue, events, finite_float, flag, hold, index_array,
+                   index_type, outputs, positive_int, scratch, wrote)
 from .program import LimitError
 from .spec import Spec
 
 MAX_HD = 256
 LOG2E = 1.4426950408889634
+# The variant flags of the templates (_Call.extra) rendered when a call gives none: causal attention.
+PLAIN = {"causal": 1, "sliding": 0, "softcap": 0, "varlen": 0}
 
 
-def _check_geometry(queue, q, k, v, window):
-    """(n, nh, nkv, hd, windows) of a valid attention call; raises naming the argument otherwise."""
+def visible_condition(causal, sliding, i, j):
+    """The templates' mask: the OpenCL C condition that query position ``i`` sees key position ``j``
+    of its sequence (C expressions; ``W`` is the kernels' sliding window), None when every pair is seen."""
+    if not sliding:
+        return f"{j} <= {i}" if causal else None
+    if causal:
+        return f"{j} <= {i} && {i} < {j} + W"
+    return f"{i} < {j} + W && {j} < {i} + W"
+
+
+def _check_geometry(queue, q, k, v):
+    """(n, nh, nkv, hd) of valid q, k, v; raises naming the argument otherwise."""
     check_queue(queue)
-    window = positive_int("window", window)
     check_array("q", q, queue, ndim=3)
     n, nh, hd = q.shape
     check_array("k", k, queue, ndim=3)
@@ -60,9 +80,46 @@ def _check_geometry(queue, q, k, v, window):
         raise ValueError(f"k: nh ({nh}, from q) must be a multiple of nkv ({nkv}, from k)")
     if hd % 8 or hd > MAX_HD:
         raise ValueError(f"q: head dim {hd} unsupported (multiples of 8 from 8 to {MAX_HD})")
-    if n % window:
-        raise ValueError(f"window: {window} does not divide the {n} tokens of q")
-    return n, nh, nkv, hd, n // window
+    return n, nh, nkv, hd
+
+
+def _check_sequences(queue, n, window, cu_seqlens, max_seqlen):
+    """(sequences, their longest length T, cu_seqlens or None): ``window`` equal windows, or the
+    sequences of ``cu_seqlens`` (a numpy array, checked here, or a device array, with max_seqlen)."""
+    if (window is None) == (cu_seqlens is None):
+        raise ValueError("window: give exactly one of window and cu_seqlens")
+    if window is not None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen: only with cu_seqlens")
+        window = positive_int("window", window)
+        if n % window:
+            raise ValueError(f"window: {window} does not divide the {n} tokens of q")
+        return n // window, window, None
+    if isinstance(cu_seqlens, np.ndarray):
+        if cu_seqlens.dtype != np.int32:
+            raise TypeError(f"cu_seqlens: dtype must be int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.ndim != 1 or cu_seqlens.size < 2:
+            raise ValueError(f"cu_seqlens: expected nseq + 1 ≥ 2 offsets in one dimension, got shape {cu_seqlens.shape}")
+        if cu_seqlens[0] != 0 or cu_seqlens[-1] != n:
+            raise ValueError(f"cu_seqlens: must run from 0 to the {n} tokens of q, got "
+                             f"{cu_seqlens[0]} … {cu_seqlens[-1]}")
+        lengths = np.diff(cu_seqlens)
+        if (lengths < 0).any():
+            i = int(np.flatnonzero(lengths < 0)[0])
+            raise ValueError(f"cu_seqlens: offsets must not decrease, got {cu_seqlens[i]} then {cu_seqlens[i + 1]}")
+        longest = int(lengths.max())
+        if max_seqlen is not None and positive_int("max_seqlen", max_seqlen) < longest:
+            raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence of cu_seqlens ({longest})")
+        return cu_seqlens.size - 1, longest if max_seqlen is None else int(max_seqlen), cu_seqlens
+    check_array("cu_seqlens", cu_seqlens, queue, ndim=1, dtype=I32)
+    if cu_seqlens.size < 2:
+        raise ValueError(f"cu_seqlens: expected nseq + 1 ≥ 2 offsets, got shape {cu_seqlens.shape}")
+    if max_seqlen is None:
+        raise ValueError("max_seqlen: required with a device cu_seqlens (its values are not read back)")
+    max_seqlen = positive_int("max_seqlen", max_seqlen)
+    if max_seqlen > n:
+        raise ValueError(f"max_seqlen: {max_seqlen} is above the {n} tokens of q")
+    return cu_seqlens.size - 1, max_seqlen, cu_seqlens
 
 
 def _scale(scale, hd):
@@ -73,6 +130,63 @@ def _scale(scale, hd):
     if abs(scale) * LOG2E > FLOAT32_MAX:  # the kernels take scale·log2(e)
         raise ValueError(f"scale: |scale|·log2(e) must be finite in float32, got {scale:.4g}")
     return scale
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One attention call's geometry and variant, checked: what the kernels are rendered and run with."""
+    n: int
+    nh: int
+    nkv: int
+    hd: int
+    nseq: int  # windows, or sequences of cu_seqlens
+    T: int  # the window, or the longest sequence (max_seqlen)
+    cu: object  # cu_seqlens (numpy until uploaded) or None
+    causal: bool
+    W: int  # the sliding window, 0 for none (also when it covers every sequence)
+    softcap: float  # 0.0 for none
+    scale: float
+
+    def extra(self):
+        """The variant's template parameters (all four 0/1 flags; causal alone: the plain kernels)."""
+        return {"causal": int(self.causal), "sliding": int(self.W > 0), "softcap": int(self.softcap > 0),
+                "varlen": int(self.cu is not None)}
+
+    def coefs(self):
+        """The score coefficient (scale·log2 e, or scale/softcap under the cap) and, with a softcap,
+        softcap·log2 e: the kernels' capped log2-domain score is softcap·log2 e·tanh(s·scale/softcap)."""
+        if self.softcap:
+            return [np.float32(self.scale / self.softcap), np.float32(self.softcap * LOG2E)]
+        return [np.float32(self.scale * LOG2E)]
+
+    def variant_args(self, softcap=True):
+        """The trailing kernel arguments of a variant: the sliding window, then (``softcap``) softcap·log2 e."""
+        return ([np.uint32(self.W)] if self.W else []) + (self.coefs()[1:] if softcap else [])
+
+
+def _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale):
+    n, nh, nkv, hd = _check_geometry(queue, q, k, v)
+    nseq, T, cu = _check_sequences(queue, n, window, cu_seqlens, max_seqlen)
+    causal = flag("causal", causal)
+    W = 0 if sliding_window is None else positive_int("sliding_window", sliding_window)
+    if W >= T:  # a window that covers every sequence masks nothing
+        W = 0
+    scale = _scale(scale, hd)
+    cap = 0.0
+    if softcap is not None:
+        cap = finite_float("softcap", softcap)
+        if not np.float32(cap) > 0:
+            raise ValueError(f"softcap: must be positive, got {softcap!r}")
+        if abs(scale) / cap > FLOAT32_MAX or cap * LOG2E > FLOAT32_MAX:
+            raise ValueError(f"softcap: scale/softcap and softcap·log2(e) must be finite in float32, got {cap:.4g}")
+    return _Call(n, nh, nkv, hd, nseq, T, cu, causal, W, cap, scale)
+
+
+def _upload(queue, call, allocator):
+    """cu_seqlens on the device (a numpy one copied without waiting), or None for equal windows."""
+    if call.cu is None or isinstance(call.cu, cla.Array):
+        return call.cu
+    return index_array("cu_seqlens", call.cu, queue, call.cu.shape, below=call.n + 1, allocator=allocator)
 
 
 def fwd_heuristic(dev, sc):
@@ -125,24 +239,31 @@ FWD = Spec(
     lambda sc: {"bq": [16, 32, 64, 128], "rq": [1, 2, 4, 8], "tx": [4, 8, 16, 32], "bk": [16, 32, 64, 128],
                 "vw": [1, 2, 4], "dc": [16, 32, 64], "kc": [8, 16, 32]},
     fwd_heuristic, rules=_fwd_rules, wg=fwd_wg, local_bytes=_fwd_local_bytes,
-    render=lambda p, sc: dict(p, hd=sc["hd"]), doc="attention forward (the module docstring lists the tiles)")
+    render=lambda p, sc: dict(p, hd=sc["hd"], **PLAIN), doc="attention forward (the module docstring lists the tiles)")
 
 
-def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_for=None, allocator=None):
-    """``(o [n, nh, hd], lse [n, nh])``: causal softmax attention inside each window.
+def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True, sliding_window=None,
+              softcap=None, scale=None, out=None, lse=None, wait_for=None, allocator=None):
+    """``(o [n, nh, hd], lse [n, nh])``: softmax attention inside each window or sequence.
 
-    ``lse`` is the natural log-sum-exp of the scaled scores of each (row, head).
+    Exactly one of ``window`` (equal windows) and ``cu_seqlens`` (int32 offsets of the
+    sequences, from 0 to n: a numpy array, or a device array with ``max_seqlen``, at least
+    its longest sequence). Query i sees key j ≤ i (``causal``) or every key, and with
+    ``sliding_window=W`` only keys with i − W < j (and, not causal, j < i + W).
+    ``softcap=c`` caps the scaled scores to c·tanh(s/c). ``lse`` is the natural
+    log-sum-exp of the (capped) scaled scores of each (row, head).
     """
-    n, nh, nkv, hd, windows = _check_geometry(queue, q, k, v, window)
-    scale = _scale(scale, hd)
+    call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
+    n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh))],
                        [("q", q), ("k", k), ("v", v)])
-    p, knl = FWD.kernels(queue, {"hd": hd}, idx=index_type(n * nh * hd))
-    nqb = -(-window // p["bq"])
-    args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data, np.uint32(window), np.uint32(nh), np.uint32(nh // nkv),
-            np.float32(scale * LOG2E)]
-    evt = knl["attention_fwd"](queue, (nh, windows, nqb), args, wait_for=events(wait_for, q, k, v, out, lse))
-    hold([evt], q, k, v, out, lse)
+    p, knl = FWD.kernels(queue, {"hd": hd}, idx=index_type(n * nh * hd), **call.extra())
+    cu = _upload(queue, call, allocator)
+    nqb = -(-call.T // p["bq"])
+    args = ([q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data] + ([cu.base_data] if cu is not None else [])
+            + [np.uint32(call.T), np.uint32(nh), np.uint32(nh // nkv), call.coefs()[0]] + call.variant_args())
+    evt = knl["attention_fwd"](queue, (nh, call.nseq, nqb), args, wait_for=events(wait_for, q, k, v, out, lse, cu))
+    hold([evt], q, k, v, out, lse, cu)
     return wrote([evt], out, lse)
 
 
@@ -155,7 +276,8 @@ def attention(queue, q, k, v, *, window, scale=None, out=None, lse=None, wait_fo
 # atomics: the result is the same bit for bit on every run. dQ comes one of two
 # ways (``store_ds``):
 #   stored  the dK/dV pass also writes dS (the causal triangle of each window and
-#           head: windows·nh·window·(window+1)/2 floats of scratch) and the dQ
+#           head: windows·nh·window·(window+1)/2 floats of scratch; with a variant
+#           R floats per (token, head), see ds_scratch_floats) and the dQ
 #           pass ("dqs") computes dQ = dS·K from it;
 #   recomputed  the dQ pass ("dq") computes S, dP and dS again: no scratch,
 #           but three matrix products per block pair instead of one.
@@ -299,7 +421,7 @@ def _bwd_render(kind):
     per row (up to 8 that read the row's vectors side by side, as many as divide the row and the group)."""
 
     def render(p, sc):
-        p = dict(p, kind=kind, hd=sc["hd"])
+        p = dict(p, kind=kind, hd=sc["hd"], **PLAIN)
         if kind == "dkv":
             p["lanes"] = math.gcd(sc["hd"] // p["vw"], 8, p["wg"])
         return p
@@ -325,9 +447,13 @@ BWD = {
 }
 
 
-def ds_scratch_floats(windows, window, nh):
-    """Floats of the dS scratch of the stored way: the causal triangle of each window and head."""
-    return windows * nh * window * (window + 1) // 2
+def ds_scratch_floats(call):
+    """Floats of the dS scratch of the stored way: the causal triangle of each window and head; with
+    a variant, R floats per (token, head), R the longest row a query can see (see the template)."""
+    if call.causal and not call.W and call.cu is None:
+        return call.nseq * call.nh * call.T * (call.T + 1) // 2
+    row = (call.W if call.causal else 2 * call.W - 1) if call.W else call.T
+    return call.n * call.nh * row
 
 
 def store_ds_default(dev, scratch_bytes):
@@ -336,24 +462,28 @@ def store_ds_default(dev, scratch_bytes):
     return scratch_bytes <= min(dev.max_mem_alloc_size, dev.global_mem_size // 8)
 
 
-def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=None, dq=None, dk=None, dv=None,
+def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True,
+                  sliding_window=None, softcap=None, scale=None, store_ds=None, dq=None, dk=None, dv=None,
                   wait_for=None, allocator=None):
-    """``(dq, dk, dv)`` of :func:`attention` given its ``o``, ``lse`` and the output gradient ``do``.
+    """``(dq, dk, dv)`` of :func:`attention` given its ``o``, ``lse`` and the output gradient ``do``,
+    with the same ``window`` / ``cu_seqlens``, ``causal``, ``sliding_window``, ``softcap`` and ``scale``.
 
     ``dk`` and ``dv`` are summed over the query heads that share each kv head.
-    ``store_ds``: True, the dK/dV pass stores dS in a scratch array of
-    ``4·windows·nh·window·(window + 1)/2`` bytes and dQ is computed from it; False,
-    the dQ pass recomputes it (no scratch, more arithmetic); None (default): stored
-    when the scratch takes at most an eighth of the device's global memory and
-    fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE).
+    ``store_ds``: True, the dK/dV pass stores dS in a scratch array (causal over equal
+    windows: ``4·windows·nh·window·(window + 1)/2`` bytes; otherwise ``4·n·nh·R``, R the
+    longest row of keys a query sees: the sliding window W causal, 2W − 1 not, else the
+    window or max_seqlen) and dQ is computed from it; False, the dQ pass recomputes it
+    (no scratch, more arithmetic); None (default): stored when the scratch takes at most
+    an eighth of the device's global memory and fits one allocation
+    (CL_DEVICE_MAX_MEM_ALLOC_SIZE).
     """
-    n, nh, nkv, hd, windows = _check_geometry(queue, q, k, v, window)
-    scale = _scale(scale, hd)
+    call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
+    n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     check_array("o", o, queue, shape=q.shape)
     check_array("lse", lse, queue, shape=(n, nh))
     check_array("do", do, queue, shape=q.shape)
     dev = queue.device
-    floats = ds_scratch_floats(windows, window, nh)
+    floats = ds_scratch_floats(call)
     if store_ds is None:
         store_ds = store_ds_default(dev, 4 * floats)
     elif not isinstance(store_ds, bool):
@@ -364,30 +494,35 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window, scale=None, store_ds=No
     qkind = "dqs" if store_ds else "dq"
     dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
                          [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)])
-    sc = {"hd": hd}
+    sc, extra = {"hd": hd}, call.extra()
     idx = index_type(n * nh * hd, floats if store_ds else 0)
-    pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds))
-    pq, q_knl = BWD[qkind].kernels(queue, sc, idx=idx)
+    pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds), **extra)
+    # dQ from the stored dS does not depend on the softcap: one build for both
+    pq, q_knl = BWD[qkind].kernels(queue, sc, idx=idx, **(dict(extra, softcap=0) if store_ds else extra))
     q_knl = q_knl["attn_bwd_" + qkind]
+    cu = _upload(queue, call, allocator)
+    seqs = [cu.base_data] if cu is not None else []
     dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
     stored = [scratch(queue, floats, allocator)] if store_ds else []  # dS
     rows = n * nh
     e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // pk["lanes"])),),
                                     [o.base_data, do.base_data, dsum, np.uint32(rows)],
                                     wait_for=events(wait_for, o, do))
-    geom = [np.uint32(window), np.uint32(nh), np.uint32(nkv), np.uint32(windows)]
-    coefs = [np.float32(scale * LOG2E), np.float32(scale)]
+    geom = seqs + [np.uint32(call.T), np.uint32(nh), np.uint32(nkv), np.uint32(call.nseq)]
+    coefs = [call.coefs()[0], np.float32(call.scale)]
     ins = [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data, dsum]
-    e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-window // pk["bk"]) * windows * nkv,),
-                                  ins + [dk.base_data, dv.base_data] + stored + geom + coefs,
-                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv))
-    q_groups = (-(-window // pq["bq"]) * windows * nh,)
+    e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-call.T // pk["bk"]) * call.nseq * nkv,),
+                                  ins + [dk.base_data, dv.base_data] + stored + geom + coefs + call.variant_args(),
+                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, cu))
+    q_groups = (-(-call.T // pq["bq"]) * call.nseq * nh,)
     if store_ds:
-        e_q = q_knl(queue, q_groups, [k.base_data, stored[0], dq.base_data] + geom, wait_for=[e_kv] + events(None, dq))
+        e_q = q_knl(queue, q_groups, [k.base_data, stored[0], dq.base_data] + geom + call.variant_args(softcap=False),
+                    wait_for=[e_kv] + events(None, dq))
     else:
-        e_q = q_knl(queue, q_groups, ins + [dq.base_data] + geom + coefs, wait_for=[e_sum] + events(None, q, k, v, lse, dq))
+        e_q = q_knl(queue, q_groups, ins + [dq.base_data] + geom + coefs + call.variant_args(),
+                    wait_for=[e_sum] + events(None, q, k, v, lse, dq, cu))
     # on an out-of-order queue dQ (recomputed) may finish before dK/dV: both are waited for
-    hold([e_kv, e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, *stored)
+    hold([e_kv, e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, cu, *stored)
     wrote([e_kv], dk, dv)
     wrote([e_q], dq)
     return dq, dk, dv

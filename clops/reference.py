@@ -143,7 +143,7 @@ def qk_norm_rope_bwd(x, w, inv, rope, dy, *, gemma=True):
     return rms_norm_bwd(x, w, inv, g, gemma=gemma), rms_norm_dw(x, inv, g)
 
 
-# ---- causal grouped-query attention ----
+# ---- grouped-query attention ----
 
 def _windows(a, window):
     """[n, heads, hd] → [windows, heads, window, hd]."""
@@ -161,43 +161,84 @@ def _expand(k, rep):
     return np.repeat(k, rep, axis=1)
 
 
-def attention(q, k, v, *, window, scale=None):
-    """(o [n, nh, hd], lse [n, nh]): causal softmax attention inside each window, K/V shared by groups."""
-    hd, nh, nkv = q.shape[-1], q.shape[1], k.shape[1]
-    scale = 1.0 / np.sqrt(hd) if scale is None else scale
-    qw, kw, vw = _windows(q, window), _expand(_windows(k, window), nh // nkv), _expand(_windows(v, window), nh // nkv)
+def attention_mask(t, *, causal=True, sliding_window=None):
+    """[t, t] bool: query i (row) sees key j (column) of its window or sequence."""
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    seen = j <= i if causal else np.ones((t, t), bool)
+    if sliding_window is not None:
+        seen &= np.abs(i - j) < sliding_window
+    return seen
+
+
+def _sequences(n, window, cu_seqlens):
+    """[(start, end)] of the windows (``window``) or sequences (``cu_seqlens``) of n tokens."""
+    if cu_seqlens is None:
+        return [(s, s + window) for s in range(0, n, window)]
+    cu = [int(c) for c in np.asarray(cu_seqlens)]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def _scores(qw, kw, scale, softcap):
+    """(scores, tanh of the scaled scores / softcap or None): q·k·scale, capped to c·tanh(s/c)."""
     s = np.einsum("bhqd,bhkd->bhqk", qw, kw) * scale
-    s = np.where(np.tril(np.ones((window, window), bool)), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    o = np.einsum("bhqk,bhkd->bhqd", p / l, vw)
-    lse = (m + np.log(l))[..., 0]  # [windows, nh, window]
-    return _tokens(o), lse.transpose(0, 2, 1).reshape(-1, nh)
+    if softcap is None:
+        return s, None
+    t = np.tanh(s / softcap)
+    return softcap * t, t
 
 
-def attention_bwd(q, k, v, o, lse, do, *, window, scale=None):
-    """(dq, dk, dv); dk/dv summed over each group's query heads."""
-    hd, nh, nkv = q.shape[-1], q.shape[1], k.shape[1]
+def attention(q, k, v, *, window=None, cu_seqlens=None, causal=True, sliding_window=None, softcap=None, scale=None):
+    """(o [n, nh, hd], lse [n, nh]): softmax attention inside each window (or sequence of
+    ``cu_seqlens``), K/V shared by groups; ``lse`` is that of the (capped) scaled scores."""
+    n, nh, hd = q.shape
+    rep = nh // k.shape[1]
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
+    o, lse = np.zeros((n, nh, hd)), np.zeros((n, nh))
+    for a, b in _sequences(n, window, cu_seqlens):
+        if a == b:
+            continue
+        t = b - a
+        qw, kw, vw = _windows(q[a:b], t), _expand(_windows(k[a:b], t), rep), _expand(_windows(v[a:b], t), rep)
+        s, _ = _scores(qw, kw, scale, softcap)
+        s = np.where(attention_mask(t, causal=causal, sliding_window=sliding_window), s, -np.inf)
+        m = s.max(axis=-1, keepdims=True)
+        p = np.exp(s - m)
+        l = p.sum(axis=-1, keepdims=True)
+        o[a:b] = _tokens(np.einsum("bhqk,bhkd->bhqd", p / l, vw))
+        lse[a:b] = (m + np.log(l))[0, :, :, 0].T
+    return o, lse
+
+
+def attention_bwd(q, k, v, o, lse, do, *, window=None, cu_seqlens=None, causal=True, sliding_window=None,
+                  softcap=None, scale=None):
+    """(dq, dk, dv); dk/dv summed over each group's query heads; the softcap differentiated through."""
+    n, nh, hd = q.shape
+    nkv = k.shape[1]
     rep = nh // nkv
     scale = 1.0 / np.sqrt(hd) if scale is None else scale
-    qw, kw, vw = _windows(q, window), _expand(_windows(k, window), rep), _expand(_windows(v, window), rep)
-    ow, dow = _windows(o, window), _windows(do, window)
-    lse_w = np.asarray(lse, dtype=np.float64).reshape(-1, window, nh).transpose(0, 2, 1)[..., None]
-    s = np.einsum("bhqd,bhkd->bhqk", qw, kw) * scale
-    p = np.exp(np.where(np.tril(np.ones((window, window), bool)), s - lse_w, -np.inf))
-    dv = np.einsum("bhqk,bhqd->bhkd", p, dow)
-    dp = np.einsum("bhqd,bhkd->bhqk", dow, vw)
-    delta = np.sum(dow * ow, axis=-1, keepdims=True)
-    ds = p * (dp - delta) * scale
-    dq = np.einsum("bhqk,bhkd->bhqd", ds, kw)
-    dk = np.einsum("bhqk,bhqd->bhkd", ds, qw)
+    dq, dk, dv = np.zeros((n, nh, hd)), np.zeros((n, nkv, hd)), np.zeros((n, nkv, hd))
 
     def group(x):
         b, _, t, d = x.shape
         return x.reshape(b, nkv, rep, t, d).sum(axis=2)
 
-    return _tokens(dq), _tokens(group(dk)), _tokens(group(dv))
+    for a, b in _sequences(n, window, cu_seqlens):
+        if a == b:
+            continue
+        t = b - a
+        qw, kw, vw = _windows(q[a:b], t), _expand(_windows(k[a:b], t), rep), _expand(_windows(v[a:b], t), rep)
+        ow, dow = _windows(o[a:b], t), _windows(do[a:b], t)
+        lse_w = np.asarray(lse[a:b], dtype=np.float64).T[None, :, :, None]
+        s, tanh = _scores(qw, kw, scale, softcap)
+        p = np.exp(np.where(attention_mask(t, causal=causal, sliding_window=sliding_window), s - lse_w, -np.inf))
+        dp = np.einsum("bhqd,bhkd->bhqk", dow, vw)
+        ds = p * (dp - np.sum(dow * ow, axis=-1, keepdims=True)) * scale
+        if tanh is not None:
+            ds *= 1 - tanh * tanh
+        dq[a:b] = _tokens(np.einsum("bhqk,bhkd->bhqd", ds, kw))
+        dk[a:b] = _tokens(group(np.einsum("bhqk,bhqd->bhkd", ds, qw)))
+        dv[a:b] = _tokens(group(np.einsum("bhqk,bhqd->bhkd", p, dow)))
+    return dq, dk, dv
 
 
 # ---- test data and comparison ----

@@ -153,6 +153,10 @@ def _scalar(**kw):
     return lambda queue: kw
 
 
+def _cu(*offsets):
+    return np.array(offsets, np.int32)
+
+
 SPECIFIC = [
     # (op, what, named, exception, make(queue) -> call kwargs)
     *[(op, "head dim not a multiple of 8", "q", ValueError, _attn(NH, NKV, 12)) for op in ("attention", "attention_bwd")],
@@ -164,6 +168,33 @@ SPECIFIC = [
     *[(op, "k of other tokens", "k", ValueError, _tokens(AN + AW)) for op in ("attention", "attention_bwd")],
     *[(op, "scale infinite", "scale", ValueError, _scalar(scale=float("inf"))) for op in ("attention", "attention_bwd")],
     ("attention_bwd", "store_ds not a bool", "store_ds", TypeError, _scalar(store_ds="yes")),
+    *[(op, what, named, exc, make) for op in ("attention", "attention_bwd") for what, named, exc, make in [
+        ("both window and cu_seqlens", "window", ValueError, _scalar(cu_seqlens=_cu(0, AN))),
+        ("neither window nor cu_seqlens", "window", ValueError, _scalar(window=None)),
+        ("cu_seqlens decreasing", "cu_seqlens", ValueError, _scalar(window=None, cu_seqlens=_cu(0, 5, 3, AN))),
+        ("cu_seqlens past n", "cu_seqlens", ValueError, _scalar(window=None, cu_seqlens=_cu(0, 4, AN + 1))),
+        ("cu_seqlens not from 0", "cu_seqlens", ValueError, _scalar(window=None, cu_seqlens=_cu(1, AN))),
+        ("cu_seqlens int64", "cu_seqlens", TypeError,
+         _scalar(window=None, cu_seqlens=np.array([0, AN], np.int64))),
+        ("cu_seqlens a list", "cu_seqlens", TypeError, _scalar(window=None, cu_seqlens=[0, AN])),
+        ("device cu_seqlens float32", "cu_seqlens", TypeError,
+         lambda queue: {"window": None, "cu_seqlens": cla.to_device(queue, np.array([0, AN], np.float32)),
+                        "max_seqlen": AN}),
+        ("device cu_seqlens without max_seqlen", "max_seqlen", ValueError,
+         lambda queue: {"window": None, "cu_seqlens": cla.to_device(queue, _cu(0, AN))}),
+        ("max_seqlen below the longest", "max_seqlen", ValueError,
+         _scalar(window=None, cu_seqlens=_cu(0, 2, AN), max_seqlen=3)),
+        ("max_seqlen above n", "max_seqlen", ValueError,
+         lambda queue: {"window": None, "cu_seqlens": cla.to_device(queue, _cu(0, AN)), "max_seqlen": AN + 1}),
+        ("max_seqlen with window", "max_seqlen", ValueError, _scalar(max_seqlen=AW)),
+        ("sliding_window zero", "sliding_window", ValueError, _scalar(sliding_window=0)),
+        ("sliding_window a float", "sliding_window", TypeError, _scalar(sliding_window=2.0)),
+        ("softcap zero", "softcap", ValueError, _scalar(softcap=0.0)),
+        ("softcap negative", "softcap", ValueError, _scalar(softcap=-30.0)),
+        ("softcap NaN", "softcap", ValueError, _scalar(softcap=float("nan"))),
+        ("softcap a string", "softcap", TypeError, _scalar(softcap="30")),
+        ("causal not a bool", "causal", TypeError, _scalar(causal="no")),
+    ]],
     *[(op, "head dim not a multiple of 4", "x", ValueError, _qk(6, rope=(QW, 1, 2)))
       for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
     *[(op, "rotary half above hd/2", "rope", ValueError, _qk(QD, rope=(QW, 5, 2)))
