@@ -10,6 +10,12 @@ the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
 device times from profiling events (the sum of an op's kernels, gaps between
 them left out): warm-up, then 7 runs, median kept.
 
+The attention variants (non-causal, softcap 30, varlen: seeded lengths between 1
+and 2·window over the shape's tokens, offsets on the device; sliding windows of
+512 and 4096 over one sequence of all the shape's tokens) count the FLOPs of
+the (query, key) pairs they leave unmasked (:func:`attention_pairs`), forward
+4·nh·hd per pair, the backward 2.5 times that.
+
 ``--dtype float16`` / ``bfloat16`` runs every op that takes 16-bit storage with
 its activations (and weights) at that dtype, statistics and master state staying
 float32, and counts the bytes actually moved; the other ops are skipped, each
@@ -48,6 +54,7 @@ ATTENTION = {  # name: (windows, window, nh, nkv, hd)
 }
 ATTENTION_SMALL = {"qwen-hd256": (2, 64, 4, 2, 256), "llama-hd128": (2, 64, 8, 2, 128),
                    "small-hd64": (2, 64, 4, 4, 64)}
+SLIDING, SLIDING_SMALL = (512, 4096), (16, 64)  # sliding windows, over one sequence of a shape's tokens
 TOKENS, D = 16384, 5120
 TOKENS_SMALL, D_SMALL = 256, 512
 DTYPES = {"float32": F32, "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
@@ -290,22 +297,54 @@ def _peer_xent(n, vocab, backward):
     return make
 
 
-def _attention(backward, windows, window, nh, nkv, hd):
+def _attention(backward, windows, window, nh, nkv, hd, lengths=None, **variant):
+    """Attention over equal windows, or (``lengths``) sequences of those lengths, with ``variant``'s
+    keywords; a variant's FLOPs count its visible (query, key) pairs (:func:`attention_pairs`)."""
     def setup(queue, data):
         n = windows * window
         q, k, v = data.get((n, nh, hd), 1), data.get((n, nkv, hd), 2), data.get((n, nkv, hd), 3)
-        flops = attention_flops(windows, window, nh, hd)
+        if lengths is None and not variant:
+            flops = attention_flops(windows, window, nh, hd)
+        else:
+            pairs = attention_pairs(lengths or [window] * windows, variant.get("causal", True),
+                                    variant.get("sliding_window"))
+            flops = 4 * nh * hd * pairs
+        if lengths is None:
+            kw = dict(variant, window=window)
+        else:  # the offsets on the device and max_seqlen given: nothing is read back
+            cu = cla.to_device(queue, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+            kw = dict(variant, cu_seqlens=cu, max_seqlen=max(lengths))
         if not backward:
-            return lambda: clops.attention(queue, q, k, v, window=window, allocator=data.pool), flops
+            return lambda: clops.attention(queue, q, k, v, allocator=data.pool, **kw), flops
         do = data.get((n, nh, hd), 4)
 
         def call():
-            o, lse = clops.attention(queue, q, k, v, window=window, allocator=data.pool)
-            return clops.attention_bwd(queue, q, k, v, o, lse, do, window=window, allocator=data.pool)
+            o, lse = clops.attention(queue, q, k, v, allocator=data.pool, **kw)
+            return clops.attention_bwd(queue, q, k, v, o, lse, do, allocator=data.pool, **kw)
 
         return call, 3.5 * flops
 
     return setup
+
+
+def attention_pairs(lengths, causal=True, sliding_window=None):
+    """The (query, key) pairs attention visits unmasked over sequences of ``lengths``."""
+    total = 0
+    for t in lengths:
+        w = t if sliding_window is None else min(sliding_window, t)
+        if causal:  # query i sees min(i + 1, w) keys
+            total += w * (w + 1) // 2 + (t - w) * w
+        else:  # all t² pairs but those with |i − j| ≥ w
+            total += t * t - (t - w) * (t - w + 1)
+    return total
+
+
+def varlen_lengths(n, window, seed=5):
+    """Seeded sequence lengths drawn between 1 and 2·window, summing to n (the last one cut)."""
+    rng, lengths = np.random.default_rng(seed), []
+    while sum(lengths) < n:
+        lengths.append(min(int(rng.integers(1, 2 * window + 1)), n - sum(lengths)))
+    return lengths
 
 
 # ---- PyTorch peers: each returns a callable that runs the same work on torch's GPU ----
@@ -408,6 +447,20 @@ def benches(small):
             peers = ((f"SDPA fp32 gqa{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, False, *geo)),
                      (f"SDPA fp32 expanded K/V{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, True, *geo)))
             out.append(Bench(f"{label} {name}", shape, "TFLOP/s", _attention(backward, *geo), peers))
+    for name, (windows, window, nh, nkv, hd) in shapes.items():
+        tok, heads = windows * window, f"nh={nh} nkv={nkv} hd={hd}"
+        lengths = varlen_lengths(tok, window)
+        variants = [  # (variant name, shape text, geometry, keywords)
+            ("non-causal", f"{windows}×{window} {heads}", (windows, window), {"causal": False}),
+            ("softcap", f"{windows}×{window} {heads} softcap 30", (windows, window), {"softcap": 30.0}),
+            ("varlen", f"{len(lengths)} sequences of 1..{2 * window}, {tok} tokens, {heads}", (windows, window),
+             {"lengths": lengths}),
+        ] + [(f"sliding-{w}", f"1×{tok} {heads} sliding window {w}", (1, tok), {"sliding_window": w})
+             for w in (SLIDING_SMALL if small else SLIDING)]
+        for variant, shape, (nw, t), kw in variants:
+            for backward, label in ((False, "attention"), (True, "attention+attention_bwd")):
+                out.append(Bench(f"{label} {variant} {name}", shape, "TFLOP/s",
+                                 _attention(backward, nw, t, nh, nkv, hd, **kw)))
     return out
 
 

@@ -19,6 +19,21 @@ def test_every_public_op_is_benched():
     assert {"attention", "attention_bwd", "qk_norm_rope_bwd"} <= names  # also those not exported yet
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sliding_window", [None, 1, 3, 7, 40])
+def test_attention_pairs_count_the_mask(causal, sliding_window):
+    from clops import reference as ref
+
+    lengths = [1, 7, 20]
+    want = sum(int(ref.attention_mask(t, causal=causal, sliding_window=sliding_window).sum()) for t in lengths)
+    assert bench.attention_pairs(lengths, causal, sliding_window) == want
+
+
+def test_varlen_lengths():
+    lengths = bench.varlen_lengths(1000, 64)
+    assert sum(lengths) == 1000 and min(lengths) >= 1 and max(lengths) <= 128 and len(set(lengths)) > 3
+
+
 def test_bench_small_json(queue, tmp_path):
     path = tmp_path / "bench.json"
     lines = []
