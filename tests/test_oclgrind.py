@@ -217,6 +217,39 @@ def run_attention(queue):
                     _expect(f"attention_bwd {name} (store_ds={store_ds})", got, w)
 
 
+def run_attention_variants(queue):
+    import numpy as np
+    import pyopencl.array as cla
+
+    import clops
+    from clops import reference as ref, tuning
+    from clops.reference import rnd
+
+    nh, nkv, hd, n = 4, 2, 8, 34
+    bwd = {"wg": 8, "bq": 8, "bk": 8, "sq": 2, "sk": 4, "dc": 4, "jc": 4, "tr": 2, "td": hd // 2, "vw": 1, "split": 1}
+    halves_kv, halves_q = dict(bwd, split=2, sk=8, td=hd), dict(bwd, split=2, sk=8)  # the softcap's halves
+    tuning.override("attention_fwd", {"hd": hd}, {"bq": 8, "rq": 2, "tx": 2, "bk": 8, "vw": 1, "dc": 8, "kc": 4})
+    tuning.override("attention_bwd_dqs", {"hd": hd}, {"wg": 8, "bq": 4, "jc": 3, "tr": 1, "td": hd // 2, "vw": 1})
+    q, k, v, do = rnd((n, nh, hd), 31, 1.0), rnd((n, nkv, hd), 32, 1.0), rnd((n, nkv, hd), 33, 1.0), rnd(
+        (n, nh, hd), 34, 1.0)
+    q_, k_, v_, do_ = (cla.to_device(queue, a) for a in (q, k, v, do))
+    # equal windows of 17 and sequences (one empty) across the 8-row blocks; every variant flag
+    for kw, back_kv, back_q in ((dict(window=17, causal=False, sliding_window=5, softcap=2.0), bwd, bwd),
+                                (dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4, softcap=2.0),
+                                 halves_kv, halves_q),
+                                (dict(cu_seqlens=np.array([0, 11, n], np.int32), causal=False), halves_kv, bwd)):
+        tuning.override("attention_bwd_dkv", {"hd": hd}, back_kv)
+        tuning.override("attention_bwd_dq", {"hd": hd}, back_q)
+        (o, lse), (wo, wlse) = clops.attention(queue, q_, k_, v_, **kw), ref.attention(q, k, v, **kw)
+        _expect("attention o", o, wo)
+        _expect("attention lse", lse, wlse)
+        want = ref.attention_bwd(q, k, v, wo, wlse, do, **kw)
+        for store_ds in (True, False):
+            grads = clops.attention_bwd(queue, q_, k_, v_, o, lse, do_, store_ds=store_ds, **kw)
+            for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+                _expect(f"attention_bwd {name} (store_ds={store_ds})", got, w)
+
+
 def run_cross_entropy(queue):
     import numpy as np
     import pyopencl.array as cla
@@ -304,6 +337,7 @@ FAMILIES = {
     "norm": (run_norm, ["rms_norm.cl.mako"]),
     "qk_norm_rope": (run_qk_norm_rope, ["qk_norm_rope.cl.mako"]),
     "attention": (run_attention, ["attention_fwd.cl.mako", "attention_bwd.cl.mako"]),
+    "attention_variants": (run_attention_variants, ["attention_fwd.cl.mako", "attention_bwd.cl.mako"]),
 }
 
 # Throwaway kernels, each with one planted fault of a kind the simulator must report.
