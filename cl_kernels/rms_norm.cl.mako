@@ -7,25 +7,36 @@
 // (program.loadv / storev), so VW divides d and every row starts on a vector
 // boundary (the host picks VW).
 //
-// Row kernels (kind "rows"): a work-group of WG work-items handles RPG rows;
-// TPR = WG/RPG consecutive work-items share a row, work-item t taking the
-// vectors t, t + TPR, ... (CH of them), so each step of a row reads one
-// contiguous run. A row's sum is a fixed-order local-memory tree
-// (common.group_sum over the row's TPR work-items), so results are
-// deterministic. With CACHE the row's vectors stay in registers between the
-// sum and the write; rows too wide for that (CH > 32) are read twice.
+// Row kernels (kind "rows": rms_norm_fwd, rms_norm_bwd, add_rms_norm_fwd): a
+// work-group of WG work-items handles RPG rows; TPR = WG/RPG consecutive
+// work-items share a row, work-item t taking the vectors t, t + TPR, ... (CH
+// of them), so each step of a row reads one contiguous run. A row's sum is a
+// fixed-order local-memory tree (common.group_sum over the row's TPR
+// work-items), so results are deterministic. With CACHE the row's vectors
+// stay in registers between the sum and the write; rows too wide for that
+// (CH > 32) are read twice.
+//
+// One-pass backward (kind "rows_dw": rms_norm_bwd_dw, add_rms_norm_bwd): the
+// same row layout, but group g walks the rows [g·per_group, g·per_group +
+// per_group), RPG at a time; each work-item keeps the gain w + w_offset of
+// its columns and adds dy·x·inv of every row it walks into acc (in row
+// order); the RPG segments' sums are then added in segment order into
+// partial[g, :]. dx of each row is the same formula, written in the same
+// pass (plus ds for add_rms_norm_bwd). column_sum (kind "dw") finishes dw.
 //
 // Gain gradient (kind "dw"), two deterministic stages, no atomics:
 //   rms_norm_dw_partial: group (c, b) sums dy·x·inv over rows [b·RB, b·RB+RB)
 //     for the WG·VW columns of block c (consecutive work-items, consecutive
 //     columns) into partial[b, :];
-//   column_sum: one work-item per column adds the partial rows in order and
-//     writes (or adds into) dw. clops.qk_norm_rope reuses it.
+//   column_sum: group c takes CS_CW consecutive columns; its work-item (s, i)
+//     adds the partial rows s, s + CS_S, ... of column c·CS_CW + i in order,
+//     then slice 0 adds the CS_S slices' sums in slice order and writes (or
+//     adds into) dw. The one-pass backward and clops.qk_norm_rope reuse it.
 //
-// Parameters: WG work-items per group, VW vector width, RPG rows per group,
-// CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in registers,
-// RB rows per partial block, IDX the index type (uint when every index fits
-// 32 bits, else ulong), ST / WST / DWST the storage types above.
+// Parameters: WG work-items per group, VW vector width, RPG rows per group
+// (per step), CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in
+// registers, RB rows per partial block, IDX the index type (uint when every
+// index fits 32 bits, else ulong), ST / WST / DWST the storage types above.
 <%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None"/>
 <%namespace name="common" file="common.cl.mako"/>
 ${common.guards()}\
@@ -41,7 +52,7 @@ def lanes_sum(vw, v):
     return v if vw == 1 else " + ".join("%s.s%x" % (v, l) for l in range(vw))
 %>
 
-% if kind == "rows":
+% if kind in ("rows", "rows_dw"):
 <% tpr = wg // rpg %>
 #define RPG ${rpg}
 #define TPR ${tpr}
@@ -58,10 +69,12 @@ def lanes_sum(vw, v):
     const idx_t base = row * dv;
     __local float *row_scratch = scratch + seg * TPR;
 </%def>
+% if kind == "rows":
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict inv_out,
-                  __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w, const idx_t n, const uint dv, const float d, const float eps,
+                  __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
+                  const idx_t n, const uint dv, const float d, const float eps,
                   const float w_offset${checked_args("y", "inv_out", "x", "w")})
 {
     ${row_setup()}
@@ -87,6 +100,46 @@ void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict
         const uint j = t + k * TPR;
         if (j < dv)
             ${storev(st, vw, "%s * inv * (%s + w_offset)" % ("xs[k]" if cache else loadv(st, vw, "x", "base + j"), loadv(wst, vw, "w", "j")), "y", "base + j")};
+    }
+    if (t == 0)
+        inv_out[${at("inv_out", "row")}] = inv;
+}
+
+// s = a + b, stored rounded once; y = s·inv·(w + w_offset) and inv = 1/rms(s), both of the
+// float sum. Each element of a and b is read before the same work-item writes s and y there
+// (rows read twice add a + b again), so s or y may be a or b (in place).
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void add_rms_norm_fwd(__global ${vptr(st, vw)} *restrict s_out, __global ${vptr(st, vw)} *restrict y,
+                      __global float *restrict inv_out, __global const ${vptr(st, vw)} *restrict a,
+                      __global const ${vptr(st, vw)} *restrict b, __global const ${vptr(wst, vw)} *restrict w,
+                      const idx_t n, const uint dv, const float d, const float eps,
+                      const float w_offset${checked_args("s_out", "y", "inv_out", "a", "b", "w")})
+{
+    ${row_setup()}
+% if cache:
+    vec xs[CH];
+% endif
+    float ss = 0.0f;
+    for (uint k = 0; k < CH; ++k) {
+        const uint j = t + k * TPR;
+        const vec v = (ok && j < dv) ? ${loadv(st, vw, "a", "base + j")} + ${loadv(st, vw, "b", "base + j")} : (vec)(0.0f);
+% if cache:
+        xs[k] = v;
+% endif
+        const vec sq = v * v;
+        ss += ${lanes_sum(vw, "sq")};
+    }
+    ${common.group_sum("total", "ss", "row_scratch", "t", tpr)}
+    const float inv = 1.0f / sqrt(total / d + eps);
+    if (!ok)
+        return;
+    for (uint k = 0; k < CH; ++k) {
+        const uint j = t + k * TPR;
+        if (j < dv) {
+            const vec v = ${"xs[k]" if cache else "%s + %s" % (loadv(st, vw, "a", "base + j"), loadv(st, vw, "b", "base + j"))};
+            ${storev(st, vw, "v", "s_out", "base + j")};
+            ${storev(st, vw, "v * inv * (%s + w_offset)" % loadv(wst, vw, "w", "j"), "y", "base + j")};
+        }
     }
     if (t == 0)
         inv_out[${at("inv_out", "row")}] = inv;
@@ -140,8 +193,114 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
     }
 }
 
+% endif
+% endif
+% if kind == "rows_dw":
+## dx (plus ds with `resid`) of the rows [g·per_group, g·per_group + per_group)
+## and their gain gradient's partial sums partial[g, :], in one read of x, dy.
+<%def name="bwd_dw(name, resid)">
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict partial,
+             __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
+             __global const float *restrict inv, __global const ${vptr(st, vw)} *restrict dy,
+             ${"__global const %s *restrict ds, " % vptr(st, vw) if resid else ""}const idx_t n, const uint dv,
+             const float d, const float eps, const float w_offset,
+             const idx_t per_group${checked_args("dx", "partial", "x", "w", "inv", "dy", *(["ds"] if resid else []))})
+{
+    __local float scratch[WG];
+% if rpg > 1:
+    __local vec comb[WG];
+% endif
+    const uint lid = get_local_id(0);
+    const uint seg = lid / TPR, t = lid - seg * TPR;
+    __local float *row_scratch = scratch + seg * TPR;
+    const idx_t first = (idx_t)get_group_id(0) * per_group;
+    const idx_t last = min(n, first + per_group);
+    vec we[CH], acc[CH];
+% if cache:
+    vec xs[CH], dys[CH]${", dss[CH]" if resid else ""};
+% endif
+    for (uint k = 0; k < CH; ++k) {
+        const uint j = t + k * TPR;
+        we[k] = j < dv ? ${loadv(wst, vw, "w", "j")} + w_offset : (vec)(0.0f);
+        acc[k] = (vec)(0.0f);
+    }
+    // Uniform across the group: the barriers of the sums stay in uniform control flow.
+    for (idx_t r0 = first; r0 < last; r0 += RPG) {
+        const idx_t row = r0 + seg;
+        const bool ok = row < last;
+        const idx_t base = row * dv;
+        float s = 0.0f;
+        for (uint k = 0; k < CH; ++k) {
+            const uint j = t + k * TPR;
+            const bool live = ok && j < dv;
+            const vec xv = live ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
+            const vec dyv = live ? ${loadv(st, vw, "dy", "base + j")} : (vec)(0.0f);
+% if cache:
+            xs[k] = xv;
+            dys[k] = dyv;
+%   if resid:
+            // read with x and dy: a load after the row's sum would wait on memory once a row
+            dss[k] = live ? ${loadv(st, vw, "ds", "base + j")} : (vec)(0.0f);
+%   endif
+% endif
+            const vec p = (dyv * we[k]) * xv;
+            s += ${lanes_sum(vw, "p")};
+        }
+        ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
+        const float iv = ok ? inv[${at("inv", "row")}] : 0.0f;
+        const float coef = total / d * iv * iv * iv;
+        for (uint k = 0; k < CH; ++k) {
+            const uint j = t + k * TPR;
+            if (ok && j < dv) {
+                const vec xv = ${"xs[k]" if cache else loadv(st, vw, "x", "base + j")};
+                const vec dyv = ${"dys[k]" if cache else loadv(st, vw, "dy", "base + j")};
+<%
+    val = "iv * (dyv * we[k]) - xv * coef"
+    if vw == 1:  # one column: 1 − x²·inv² cancels in float; it is eps·inv² (as rms_norm_bwd)
+        val = "(dv == 1 ? iv * (dyv * we[k]) * (eps * iv * iv) : %s)" % val
+    if resid:
+        val = "%s + %s" % ("dss[k]" if cache else loadv(st, vw, "ds", "base + j"), val)
+%>\
+                ${storev(st, vw, val, "dx", "base + j")};
+                acc[k] += dyv * xv * iv;
+            }
+        }
+    }
+% if rpg == 1:
+    for (uint k = 0; k < CH; ++k) {
+        const uint j = t + k * TPR;
+        if (j < dv)
+            partial[${at("partial", "(idx_t)get_group_id(0) * dv + j")}] = acc[k];
+    }
+% else:
+    // The segments' sums, added in segment order.
+    for (uint k = 0; k < CH; ++k) {
+        comb[lid] = acc[k];
+        barrier(CLK_LOCAL_MEM_FENCE);
+        const uint j = t + k * TPR;
+        if (seg == 0 && j < dv) {
+            vec sum = comb[t];
+            for (uint u = 1; u < RPG; ++u)
+                sum += comb[u * TPR + t];
+            partial[${at("partial", "(idx_t)get_group_id(0) * dv + j")}] = sum;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+% endif
+}
+</%def>
+
+// dx = inv·w·dy − x·inv³/d·Σ dy·w·x, partial[g] = Σ_rows dy·x·inv
+${bwd_dw("rms_norm_bwd_dw", False)}
+// dx = ds + inv·w·dy − s·inv³/d·Σ dy·w·s (s in x), partial[g] = Σ_rows dy·s·inv; dx may be ds (in place:
+// each element of ds is read by the work-item that writes dx there, just before)
+${bwd_dw("add_rms_norm_bwd", True)}
+
 % elif kind == "dw":
 #define RB ${rb}
+#define CS_CW 32
+#define CS_S 8
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_dw_partial(__global vec *restrict partial, __global const ${vptr(st, vw)} *restrict x,
@@ -159,18 +318,31 @@ void rms_norm_dw_partial(__global vec *restrict partial, __global const ${vptr(s
     partial[${at("partial", "(idx_t)get_group_id(1) * dv + j")}] = acc;
 }
 
-// dw[c] (+)= Σ_b partial[b, c], b in order: the same bits on every run; added to a
-// given dw in float, then rounded once to its storage type.
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+// dw[r, c] (+)= Σ_b partial[b, c] over the chunk of rows b in [r·chunk, r·chunk + chunk) of
+// group (·, r): slice s adds the rows b ≡ s (mod CS_S) in order, then the slices' sums are
+// added in slice order: the same bits on every run. Added to a given dw in float, then
+// rounded once to its storage type. Many partial rows take two launches (the host's
+// column_sum): chunks into a float scratch, then its rows in one chunk into dw.
+__kernel __attribute__((reqd_work_group_size(CS_CW * CS_S, 1, 1)))
 void column_sum(__global ${vptr(dwst, 1)} *restrict dw, __global const float *restrict partial, const uint rows,
-                const uint cols, const int accumulate${checked_args("dw", "partial")})
+                const uint cols, const int accumulate, const uint chunk${checked_args("dw", "partial")})
 {
-    const uint c = get_group_id(0) * WG + get_local_id(0);
-    if (c >= cols)
-        return;
+    __local float sums[CS_CW * CS_S];
+    const uint lid = get_local_id(0);
+    const uint i = lid % CS_CW, slice = lid / CS_CW;
+    const uint c = get_group_id(0) * CS_CW + i;
+    const uint b0 = get_group_id(1) * chunk, b1 = min(rows, b0 + chunk);
     float s = 0.0f;
-    for (uint b = 0; b < rows; ++b)
-        s += partial[${at("partial", "(idx_t)b * cols + c")}];
-    ${storev(dwst, 1, "accumulate ? %s + s : s" % loadv(dwst, 1, "dw", "c"), "dw", "c")};
+    if (c < cols)
+        for (uint b = b0 + slice; b < b1; b += CS_S)
+            s += partial[${at("partial", "(idx_t)b * cols + c")}];
+    sums[lid] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (slice == 0 && c < cols) {
+        for (uint u = 1; u < CS_S; ++u)
+            s += sums[u * CS_CW + i];
+        const idx_t o = (idx_t)get_group_id(1) * cols + c;
+        ${storev(dwst, 1, "accumulate ? %s + s : s" % loadv(dwst, 1, "dw", "o"), "dw", "o")};
+    }
 }
 % endif

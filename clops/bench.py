@@ -3,7 +3,9 @@
 Memory-bound ops run at n = 16384 tokens, d = 5120 (the SwiGLU family at width
 3·d) and report GB/s counting the bytes of every input read and every output
 written once, as a fraction of the copy bandwidth measured in the same run (a
-device-to-device copy, read + write). Attention reports TFLOP/s (forward:
+device-to-device copy, read + write). The two-op row "add+rms_norm" counts
+the bytes of ``add_rms_norm`` (what the fusion saves shows as a lower GB/s), and
+"rms_norm_bwd+dw" (two kernels) those of the one pass. Attention reports TFLOP/s (forward:
 4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that) as a fraction of
 the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
 the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
@@ -182,6 +184,54 @@ def _norm_bwd(n, d):
         return call, x.dtype.itemsize * 3 * n * d + 4 * n + w.nbytes + 4 * d  # x, dy, dx; inv; w; dw (float32)
 
     return setup
+
+
+def _norm_bwd_one_pass(n, d):
+    """rms_norm_bwd with the gain gradient in one pass: x, dy, w, inv read, dx, dw written (the one-pass
+    minimum, the bytes of the rms_norm_bwd+dw row)."""
+
+    def setup(queue, data):
+        x, w, dy = data.get((n, d), 1), data.get((d,), 2), data.get((n, d), 3)
+        _, inv = clops.rms_norm(queue, x, w, allocator=data.pool)
+        dw = cla.zeros(queue, d, w.dtype)
+        call = lambda: clops.rms_norm_bwd(queue, x, w, inv, dy, dw=dw, allocator=data.pool)  # noqa: E731
+        return call, _nbytes([x, w, inv, dy, x, dw])
+
+    return setup
+
+
+def _add_norm(backward, fused, n, d):
+    """add_rms_norm (a, b, w read; s, y, inv written), or add then rms_norm timed on those same bytes
+    (what the fused op saves shows as GB/s); add_rms_norm_bwd (s, w, inv, dy, ds read; dx, dw written)."""
+
+    def setup(queue, data):
+        a, b, w = data.get((n, d), 1, 4.0), data.get((n, d), 2, 2.0), data.get((d,), 2)
+        s, y, inv = clops.add_rms_norm(queue, a, b, w, allocator=data.pool)
+        if backward:
+            dy, ds = data.get((n, d), 3), data.get((n, d), 4)
+            dw = cla.zeros(queue, d, w.dtype)
+            call = lambda: clops.add_rms_norm_bwd(queue, s, w, inv, dy, ds, dw=dw, allocator=data.pool)  # noqa: E731
+            return call, _nbytes([s, w, inv, dy, ds, s, dw])
+        if fused:
+            call = lambda: clops.add_rms_norm(queue, a, b, w, s=s, out=y, inv=inv)  # noqa: E731
+        else:
+            call = lambda: (clops.add(queue, a, b, out=s), clops.rms_norm(queue, s, w, out=y, inv=inv))  # noqa: E731
+        return call, _nbytes([a, b, w, s, y, inv])
+
+    return setup
+
+
+def _peer_add_rms(n, d):
+    def make(torch):
+        a, b, w = _t_rand(torch, (n, d), 1), _t_rand(torch, (n, d), 2), _t_rand(torch, (d,), 3)
+
+        def call():
+            s = a + b
+            return s, torch.nn.functional.rms_norm(s, (d,), w, 1e-6)
+
+        return call
+
+    return make
 
 
 def _qk(backward, n, window, heads, hd):
@@ -423,6 +473,11 @@ def benches(small):
         Bench("rms_norm_bwd", nd, "GB/s", _mem("rms_norm_bwd", [a, ((d,), 2), ((n,), 7, 0.5, F32), dc])),
         Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5, F32), dc])),
         Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
+        Bench("rms_norm_bwd_dw", nd, "GB/s", _norm_bwd_one_pass(n, d),
+              (("F.rms_norm backward", _peer_rms(n, d, True)),)),
+        Bench("add_rms_norm", nd, "GB/s", _add_norm(False, True, n, d), (("a + b, F.rms_norm", _peer_add_rms(n, d)),)),
+        Bench("add+rms_norm", nd, "GB/s", _add_norm(False, False, n, d)),
+        Bench("add_rms_norm_bwd", nd, "GB/s", _add_norm(True, True, n, d)),
     ]
     g = 256 if small else 4096
     out.append(Bench("gemm", f"{g}×{g}×{g}", "TFLOP/s", _gemm(g, g, g), (("a @ b fp32 (no TF32)", _peer_gemm(g, g, g)),)))

@@ -1,7 +1,16 @@
-"""RMSNorm: forward, backward and the gain gradient. Template: ``rms_norm.cl.mako``.
+"""RMSNorm: forward, backward and the gain gradient, and the residual add fused with the norm
+(the pre-norm block's seam). Template: ``rms_norm.cl.mako``.
 
 ``y = x·inv·w_eff`` over the last axis of ``x [n, d]``, ``inv = 1/sqrt(mean(x²) + eps)``,
-``w_eff = w`` or, with ``gemma=True``, ``1 + w``. Outputs must not overlap inputs.
+``w_eff = w`` or, with ``gemma=True``, ``1 + w``. Outputs must not overlap inputs, except
+``add_rms_norm``'s ``s`` / ``out`` (``a`` or ``b``) and ``add_rms_norm_bwd``'s ``dx`` (``ds``): in
+place.
+
+The gain gradient ``dw = Σ_rows dy·x·inv`` comes from ``rms_norm_dw`` alone (two kernels) or with
+``dx`` in one read of ``x`` and ``dy`` (``rms_norm_bwd(..., want_dw=True)`` or ``dw=``, and
+``add_rms_norm_bwd``): a row kernel whose groups each walk a block of rows, keeping their
+columns' sums in registers, then a column sum of the groups' partial rows — fixed orders, no
+atomics, the same bits on every run.
 
 Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, float16 or
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
@@ -9,17 +18,23 @@ float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``
 
 Tuning (``clops.tuning``; the specs ``ROWS`` and ``DW``), shape class ``{"d": d}``:
 
-- op ``"rms_norm"`` (``rms_norm`` and ``rms_norm_bwd``): ``wg`` work-items per group,
-  ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of two ≤ ``vw`` that divides
-  ``d`` is used, so rows start on vector boundaries), ``rpg`` rows per group (divides
-  ``wg``; a row is shared by ``wg/rpg`` work-items).
-- op ``"rms_norm_dw"`` (``rms_norm_dw``, and the column sum of ``qk_norm_rope_bwd``):
-  ``wg`` work-items (columns) per group, ``vw`` as above, ``rb`` rows summed per partial
-  block of the first stage.
+- op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
+  ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
+  two ≤ ``vw`` that divides ``d`` is used, so rows start on vector boundaries), ``rpg`` rows
+  per group (divides ``wg``; a row is shared by ``wg/rpg`` work-items).
+- op ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``,
+  ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg`` as above (``rpg`` rows
+  per step), ``gpc`` groups per compute unit: the grid is at most ``gpc`` ×
+  CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of rows.
+- op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
+  stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
+  gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
+  columns × 8 slices of rows.
 """
 from __future__ import annotations
 
 import numpy as np
+import pyopencl as cl
 
 from .args import (F32, FLOATS, check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type,
                    outputs, scratch, storage, wrote)
@@ -60,6 +75,11 @@ def heuristic_dw(dev, sc):
     return {"wg": min(128, _cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
 
 
+def heuristic_bwd_dw(dev, sc):
+    """The row heuristic's groups, about four of them resident per compute unit of a GPU (two on a CPU)."""
+    return dict(heuristic_rows(dev, sc), gpc=4 if dev.type & cl.device_type.GPU else 2)
+
+
 def _vw_rule(p):
     return p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"
 
@@ -76,20 +96,37 @@ def _render_rows(p, sc):
     return p
 
 
+def _render_bwd_dw(p, sc):
+    return dict(_render_rows(p, sc), kind="rows_dw")
+
+
 ROWS = Spec(
     "rms_norm", TEMPLATE, ("wg", "vw", "rpg"),
     lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
     heuristic_rows, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
     local_bytes=lambda p, sc: 4 * p["wg"], render=_render_rows,
-    doc="rms_norm and rms_norm_bwd: wg work-items per group, vw vector width, rpg rows per group")
+    doc="rms_norm, rms_norm_bwd and add_rms_norm: wg work-items per group, vw vector width, rpg rows per group")
 
+BWD_DW = Spec(
+    "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "gpc"),
+    lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "gpc": [1, 2, 4, 8]},
+    heuristic_bwd_dw, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
+    # the row sums' scratch, and the segments' partial sums when a group takes several rows a step
+    local_bytes=lambda p, sc: 4 * p["wg"] * (1 + (vector_width(p["vw"], sc["d"]) if p["rpg"] > 1 else 0)),
+    render=_render_bwd_dw,
+    doc="rms_norm_bwd with dw and add_rms_norm_bwd (one pass): wg work-items per group, vw vector width, "
+        "rpg rows per step, gpc groups per compute unit")
+
+COLUMN_SUM_WG = 256  # the column sum's groups: 32 columns × 8 slices of rows (cl_kernels/rms_norm.cl.mako)
 DW = Spec(
     "rms_norm_dw", TEMPLATE, ("wg", "vw", "rb"),
     lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
-    heuristic_dw, rules=lambda p, sc: (_vw_rule(p),),
+    heuristic_dw, rules=lambda p, sc: (_vw_rule(p),), wg=lambda p, sc: max(p["wg"], COLUMN_SUM_WG),
+    local_bytes=lambda p, sc: 4 * COLUMN_SUM_WG,
     render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32),
-    doc="rms_norm_dw and the column sum of qk_norm_rope_bwd: wg columns per group, vw vector width, "
-        "rb rows per partial block")
+    doc="rms_norm_dw: wg columns per group, vw vector width, rb rows per partial block (the column sum of "
+        "every gain gradient comes with it)")
+MIN_STEPS = 4  # a one-pass backward group walks at least this many steps of rows (fewer partial rows)
 
 
 def gain_offset(gemma):
@@ -144,40 +181,96 @@ def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for
     return wrote([evt], y, inv)
 
 
-def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, wait_for=None, allocator=None):
+def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, dw=None, want_dw=False, wait_for=None,
+                 allocator=None):
     """``dx = inv·w_eff·dy − x·inv³/d·Σ dy·w_eff·x`` (written, not accumulated; ``x``'s dtype).
+
+    With ``dw`` given or ``want_dw=True``: ``(dx, dw)``, the gain gradient ``dw [d] = Σ_rows
+    dy·x·inv`` computed in the same read of ``x`` and ``dy`` (of ``w``'s dtype; a given ``dw`` is
+    added into, in float32, then rounded once). Without: ``dx`` alone.
 
     ``eps`` (the forward's) is used only at ``d = 1``, where that formula cancels
     catastrophically in float32 and ``dx = w_eff·dy·eps·inv³`` is used instead.
     """
     check_queue(queue)
     eps = check_eps(eps)
+    fused = flag("want_dw", want_dw) or dw is not None
     n, d = _check_x(queue, x)
     check_gain("w", w, queue, x, (d,))
     check_array("inv", inv, queue, shape=(n,))
     check_array("dy", dy, queue, shape=(n, d), dtype=x.dtype, like="x")
-    (dx,) = outputs(queue, allocator, [("dx", dx, (n, d))], [("x", x), ("w", w), ("inv", inv), ("dy", dy)],
-                    dtype=x.dtype)
+    inputs = [("x", x), ("w", w), ("inv", inv), ("dy", dy)]
+    if fused:
+        accumulate = dw is not None
+        dx, dw = outputs(queue, allocator, [("dx", dx, (n, d)), ("dw", dw, (d,), w.dtype)], inputs, dtype=x.dtype)
+        return _bwd_dw(queue, "rms_norm_bwd_dw", dx, dw, accumulate, x, w, inv, dy, None, eps, gemma, wait_for,
+                       allocator)
+    (dx,) = outputs(queue, allocator, [("dx", dx, (n, d))], inputs, dtype=x.dtype)
     knl, groups, sizes = _row_kernel(queue, "rms_norm_bwd", n, d, storage(x.dtype), storage(w.dtype))
-    evt = knl(queue, groups, [dx.base_data, x.base_data, w.base_data, inv.base_data, dy.base_data, *sizes, eps, gain_offset(gemma)],
+    evt = knl(queue, groups, [dx.base_data, x.base_data, w.base_data, inv.base_data, dy.base_data, *sizes, eps,
+                              gain_offset(gemma)],
               wait_for=events(wait_for, dx, x, w, inv, dy))
     hold([evt], dx, x, w, inv, dy)
     return wrote([evt], dx)[0]
 
 
-def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None):
-    """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in row order, in float32, then
-    rounded once to ``dw``'s dtype; returns the event."""
-    knl, groups, sizes = DW.plan(queue, ("column_sum", rows, cols, dw.dtype), _column_sum_plan, rows, cols, dw.dtype)
-    return knl(queue, groups, [dw.base_data, partial, *sizes, np.int32(accumulate)], wait_for=events(wait_for, dw))
+def bwd_dw_groups(dev, p, n):
+    """(groups, rows per group) of a one-pass backward over ``n`` rows with parameters ``p``: at most
+    ``gpc`` groups per compute unit, each walking at least ``MIN_STEPS`` steps of ``rpg`` rows."""
+    steps = -(-n // p["rpg"])
+    groups = max(1, min(-(-steps // MIN_STEPS), p["gpc"] * dev.max_compute_units))
+    per_group = -(-steps // groups) * p["rpg"]
+    return -(-n // per_group), per_group
 
 
-def _column_sum_plan(queue, rows, cols, dtype):
+def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait_for, allocator):
+    """Enqueue a one-pass backward (``name``: rms_norm_bwd_dw, or add_rms_norm_bwd with ``ds``), then the
+    column sum of its groups' partial sums into ``dw``; returns ``(dx, dw)``."""
+    n, d = x.shape
+    sc = {"d": d}
+    p = BWD_DW.params(queue.device, sc)
+    idx = index_type((n + p["rpg"]) * d)
+    _, knl = BWD_DW.kernels(queue, sc, idx=idx, st=storage(x.dtype), wst=storage(w.dtype))
+    groups, per_group = bwd_dw_groups(queue.device, p, n)
+    partial = scratch(queue, groups * d, allocator)  # per-group column sums
+    itype = index_scalar(idx)
+    ins = [x, w, inv, dy] + ([ds] if ds is not None else [])
+    args = [dx.base_data, partial, *(a.base_data for a in ins), itype(n), np.uint32(d // p["vw"]), np.float32(d),
+            eps, gain_offset(gemma), itype(per_group)]
+    evt = knl[name](queue, (groups,), args, wait_for=events(wait_for, dx, *ins))
+    done = column_sum(queue, partial, groups, d, dw, accumulate, wait_for=[evt], allocator=allocator)
+    hold([done], partial, dx, dw, *ins)
+    wrote([evt], dx)
+    wrote([evt, done], dw)  # both stages' events: the profile of dw covers its two kernels
+    return dx, dw
+
+
+CHUNK = 256  # partial rows a column-sum group adds; more than 2·CHUNK rows take two launches
+
+
+def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None, allocator=None):
+    """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in a fixed order, in float32,
+    then rounded once to ``dw``'s dtype; returns the last event. Over 2·CHUNK rows, chunks of CHUNK
+    rows are summed into a float scratch first (more groups at work), then its rows into ``dw``."""
     sc = {"d": cols}
     p = DW.params(queue.device, sc)
-    _, knl = DW.kernels(queue, sc, idx=index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"]), st="float",
-                        dwst=storage(dtype))
-    return knl["column_sum"], (-(-cols // p["wg"]),), (np.uint32(rows), np.uint32(cols))
+    idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
+    groups = -(-cols // 32)  # 32 columns a group
+    if rows > 2 * CHUNK:
+        chunks = -(-rows // CHUNK)
+        _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst="float")
+        mid = scratch(queue, chunks * cols, allocator)
+        evt = knl["column_sum"](queue, (groups, chunks),
+                                [mid, partial, np.uint32(rows), np.uint32(cols), np.int32(0), np.uint32(CHUNK)],
+                                wait_for=wait_for)
+        done = column_sum(queue, mid, chunks, cols, dw, accumulate, wait_for=[evt], allocator=allocator)
+        hold([done], mid)
+        return done
+    _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=storage(dw.dtype))
+    return knl["column_sum"](queue, (groups, 1),
+                             [dw.base_data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate),
+                              np.uint32(rows)],
+                             wait_for=events(wait_for, dw))
 
 
 def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
@@ -199,6 +292,54 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),
                                      [partial, x.base_data, inv.base_data, dy.base_data, index_scalar(idx)(n), np.uint32(dv)],
                                      wait_for=events(wait_for, x, inv, dy))
-    done = column_sum(queue, partial, blocks, d, dw, accumulate, wait_for=[evt])
+    done = column_sum(queue, partial, blocks, d, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dw, x, inv, dy)
     return wrote([evt, done], dw)[0]  # both stages' events: the profile of dw covers its two kernels
+
+
+ADD_IN_PLACE = ("a", "b")
+
+
+def add_rms_norm(queue, a, b, w, *, eps=1e-6, gemma=False, s=None, out=None, inv=None, wait_for=None,
+                 allocator=None):
+    """``(s, y, inv)``: the residual sum ``s = a + b`` and its RMSNorm, in one read of ``a`` and ``b``.
+
+    ``a``, ``b`` ``[n, d]`` (one dtype; ``s`` and ``y`` take it), gain ``w [d]``. ``y`` and ``inv [n]``
+    (float32) come from the float32 sum, before ``s`` is rounded to its storage type: ``y`` is
+    ``rms_norm`` of that sum (float32: ``rms_norm(add(a, b))`` bit for bit). ``s`` or ``out`` may be
+    given as ``a`` or ``b`` (in place: the residual stream updated where it lies).
+    """
+    check_queue(queue)
+    eps = check_eps(eps)
+    check_array("a", a, queue, ndim=2, dtype=FLOATS)
+    n, d = a.shape
+    check_array("b", b, queue, shape=(n, d), dtype=a.dtype, like="a")
+    check_gain("w", w, queue, a, (d,))
+    s, y, inv = outputs(queue, allocator, [("s", s, (n, d)), ("out", out, (n, d)), ("inv", inv, (n,), F32)],
+                        [("a", a), ("b", b), ("w", w)], ADD_IN_PLACE, dtype=a.dtype)
+    knl, groups, sizes = _row_kernel(queue, "add_rms_norm_fwd", n, d, storage(a.dtype), storage(w.dtype))
+    evt = knl(queue, groups, [s.base_data, y.base_data, inv.base_data, a.base_data, b.base_data, w.base_data, *sizes,
+                              eps, gain_offset(gemma)],
+              wait_for=events(wait_for, s, y, inv, a, b, w))
+    hold([evt], s, y, inv, a, b, w)
+    return wrote([evt], s, y, inv)
+
+
+def add_rms_norm_bwd(queue, s, w, inv, dy, ds, *, eps=1e-6, gemma=False, dx=None, dw=None, wait_for=None,
+                     allocator=None):
+    """``(dx, dw)`` of ``add_rms_norm``: ``dx = ds + rms_norm_bwd(s, w, inv, dy)`` (the gradient of both
+    ``a`` and ``b``; ``ds`` is what reaches ``s`` from elsewhere) and ``dw = Σ_rows dy·s·inv``, in one
+    read of ``s``, ``dy`` and ``ds``. ``dw`` takes ``w``'s dtype; a given ``dw`` is added into (in
+    float32, rounded once). ``dx`` may be given as ``ds`` (in place). ``eps``: as ``rms_norm_bwd``'s."""
+    check_queue(queue)
+    eps = check_eps(eps)
+    check_array("s", s, queue, ndim=2, dtype=FLOATS)
+    n, d = s.shape
+    check_gain("w", w, queue, s, (d,))
+    check_array("inv", inv, queue, shape=(n,))
+    check_array("dy", dy, queue, shape=(n, d), dtype=s.dtype, like="s")
+    check_array("ds", ds, queue, shape=(n, d), dtype=s.dtype, like="s")
+    accumulate = dw is not None
+    dx, dw = outputs(queue, allocator, [("dx", dx, (n, d)), ("dw", dw, (d,), w.dtype)],
+                     [("s", s), ("w", w), ("inv", inv), ("dy", dy), ("ds", ds)], ("ds",), dtype=s.dtype)
+    return _bwd_dw(queue, "add_rms_norm_bwd", dx, dw, accumulate, s, w, inv, dy, ds, eps, gemma, wait_for, allocator)

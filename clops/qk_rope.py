@@ -20,8 +20,8 @@ Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
 two ≤ ``vw`` dividing ``hd`` is used), ``upg`` units (row, head) handled at a time by a
 group (divides ``wg``), ``rb`` units per backward group, i.e. per partial row of the dw
-reduction (a multiple of ``upg``). The dw column sum uses op ``"rms_norm_dw"``'s ``wg``
-at ``{"d": hd}`` (see :mod:`clops.norm`).
+reduction (a multiple of ``upg``). The dw column sum is :func:`clops.norm.column_sum` (groups of
+32 columns × 8 row slices; two launches beyond 512 partial rows).
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
     args += [dy.base_data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
     evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
-    done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt])
+    done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dx, dw, x, w, inv, rope, dy)
     wrote([evt], dx)
     wrote([evt, done], dw)  # both stages' events: the profile of dw covers its two kernels

@@ -99,6 +99,18 @@ def rms_norm_dw(x, inv, dy):
     return np.sum((dy * x * inv[..., None]).reshape(-1, x.shape[-1]), axis=0)
 
 
+def add_rms_norm(a, b, w, *, eps=1e-6, gemma=False):
+    """(s, y, inv): s = a + b, then rms_norm of s (of the exact sum)."""
+    a, b = _f64(a, b)
+    s = a + b
+    return (s, *rms_norm(s, w, eps=eps, gemma=gemma))
+
+
+def add_rms_norm_bwd(s, w, inv, dy, ds, *, gemma=False):
+    """(dx, dw): dx = ds + rms_norm_bwd(s, w, inv, dy), dw = rms_norm_dw(s, inv, dy)."""
+    return np.asarray(ds, dtype=np.float64) + rms_norm_bwd(s, w, inv, dy, gemma=gemma), rms_norm_dw(s, inv, dy)
+
+
 # ---- q/k RMSNorm + partial RoPE ----
 
 def rope_table(window, rotary_half, *, theta=1e7):

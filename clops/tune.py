@@ -166,6 +166,20 @@ def _rms_norm_dw(queue, sc, pb):
                 lambda: (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), (BWD,), "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
 
 
+def _rms_norm_bwd_dw(queue, sc, pb):
+    """The one-pass backward (rms_norm_bwd with the gain gradient); add_rms_norm_bwd shares its kernel's
+    parameters (the same pass with ds read and added)."""
+    d, n = sc["d"], pb["rows"]
+    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
+    _, inv = ref.rms_norm(x, w)
+    inv = inv.astype(np.float32)
+    (dinv,) = _upload(queue, inv)
+    pool = _pool(queue)
+    return Case(lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool),
+                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (BWD, BWD), "GB/s",
+                _nbytes((n, d), (d,), (n,), (n, d), (n, d), (d,)))
+
+
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
 
 def attention_flops(windows, window, nh, hd):
@@ -300,6 +314,9 @@ FAMILIES = {
                        _rms_norm, "rms_norm + rms_norm_bwd on [rows, d]"),
     "rms_norm_dw": Family(norm.DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
                           _rms_norm_dw, "rms_norm_dw on [rows, d]"),
+    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                              _rms_norm_bwd_dw, "rms_norm_bwd(want_dw=True) on [rows, d]: dx and dw in one pass "
+                              "(add_rms_norm_bwd's parameters too)"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
                             "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_bwd_dkv": _bwd_family("dkv"),

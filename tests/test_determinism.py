@@ -38,6 +38,9 @@ def _norm(queue):
         "rms_norm_bwd": lambda: [clops.rms_norm_bwd(queue, x, w, inv, dy)],
         "rms_norm_dw": lambda: [clops.rms_norm_dw(queue, x, inv, dy)],
         "rms_norm_dw (accumulated)": lambda: [clops.rms_norm_dw(queue, x, inv, dy, dw=cla.to_device(queue, base))],
+        "rms_norm_bwd (one pass)": lambda: list(clops.rms_norm_bwd(queue, x, w, inv, dy, want_dw=True)),
+        "add_rms_norm": lambda: list(clops.add_rms_norm(queue, x, dy, w)),
+        "add_rms_norm_bwd": lambda: list(clops.add_rms_norm_bwd(queue, x, w, inv, dy, x, dw=cla.to_device(queue, base))),
     }
 
 

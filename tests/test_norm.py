@@ -208,3 +208,30 @@ def test_narrow_dtypes_are_checked(queue):
         clops.rms_norm_dw(queue, xb, inv, xb, dw=cla.zeros(queue, d, ml_dtypes.bfloat16))
     with pytest.raises(TypeError, match="w: dtype must be float32, got bfloat16"):
         clops.rms_norm(queue, cla.to_device(queue, rnd((n, d), 1)), cla.zeros(queue, d, ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)], ids=str)
+def test_column_sum_in_two_stages(queue, override, dtype):
+    """Over 2·CHUNK partial rows the column sum takes two launches (chunks, then their sums): rms_norm_dw
+    with one row a block, and qk_norm_rope_bwd with one unit a block (a 16-bit dw rounded once at the end)."""
+    n, d = 3 * norm.CHUNK + 5, 40
+    override("rms_norm_dw", d, dict(wg=32, vw=4, rb=1))
+    x, w, dy = rnd((n, d), 1, 2.0).astype(dtype), rnd(d, 2, 0.5).astype(dtype), rnd((n, d), 3).astype(dtype)
+    X, W, DY = to_device(queue, x, w, dy)
+    _, inv = clops.rms_norm(queue, X, W)
+    base = rnd(d, 4)
+    (DW,) = to_device(queue, base)
+    clops.rms_norm_dw(queue, X, inv, DY, dw=DW)
+    assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv.get(), dy)) <= 1e-5
+    tuning.override("qk_norm_rope", {"hd": d}, dict(wg=16, vw=2, upg=1, rb=1))
+    try:
+        X3, DY3 = X.reshape(n, 1, d), DY.reshape(n, 1, d)
+        _, inv3 = clops.qk_norm_rope(queue, X3, W, None)
+        _, dw = clops.qk_norm_rope_bwd(queue, X3, W, inv3, None, DY3)
+        want = ref.rms_norm_dw(x, inv3.get()[:, 0], dy)
+        if dtype == np.float32:
+            assert rel_err(dw.get(), want) <= 1e-5
+        else:
+            assert_storage_close("dw", dw, want, dtype, 1e-5)
+    finally:
+        tuning.override("qk_norm_rope", {"hd": d}, None)

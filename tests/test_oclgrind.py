@@ -89,12 +89,15 @@ def run_norm(queue):
 
     # (n, d, row tiles, gain-gradient tiles). 7 rows of 40: partial row groups, a partial
     # chunk (rows held in registers), 40 chunks of one (rows read twice); the gradient's
-    # partial row blocks and column groups. d = 1: the backward's own formula.
+    # partial row blocks and column groups. d = 1: the backward's own formula. The one-pass
+    # backward takes the row tiles with 1 group per compute unit (groups walk several steps,
+    # the last one partial; rpg > 1: the segments' sums combined).
     for n, d, rows, dw in [
         (7, 40, {"wg": 8, "vw": 4, "rpg": 2}, {"wg": 8, "vw": 4, "rb": 3}),
         (7, 40, {"wg": 4, "vw": 1, "rpg": 4}, {"wg": 4, "vw": 1, "rb": 2}),
         (7, 40, None, None),
         (5, 1, {"wg": 8, "vw": 1, "rpg": 4}, {"wg": 4, "vw": 1, "rb": 2}),
+        (600, 8, {"wg": 8, "vw": 4, "rpg": 1}, {"wg": 4, "vw": 4, "rb": 1}),  # 600 partial rows: two column sums
     ]:
         if rows not in _tiles(rows):
             continue
@@ -102,6 +105,7 @@ def run_norm(queue):
         x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
         tuning.override("rms_norm", {"d": d}, rows)
         tuning.override("rms_norm_dw", {"d": d}, dw)
+        tuning.override("rms_norm_bwd_dw", {"d": d}, None if rows is None else dict(rows, gpc=1))
         for gemma in (False, True):
             (y, inv), (wy, winv) = clops.rms_norm(queue, x_, w_, gemma=gemma), ref.rms_norm(x, w, gemma=gemma)
             _expect("rms_norm y", y, wy)
@@ -112,7 +116,20 @@ def run_norm(queue):
         _expect("rms_norm_dw", clops.rms_norm_dw(queue, x_, inv, dy_), wdw)
         acc = cla.to_device(queue, w)
         _expect("rms_norm_dw (accumulated)", clops.rms_norm_dw(queue, x_, inv, dy_, dw=acc), wdw + w)
-        if d > 1:
+        wdx = ref.rms_norm_bwd(x, w, winv, dy)
+        dx, dw1 = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, dw=cla.to_device(queue, w))
+        _expect("rms_norm_bwd one pass dx", dx, wdx)
+        _expect("rms_norm_bwd one pass dw (accumulated)", dw1, wdw + w)
+        s, y, sinv = clops.add_rms_norm(queue, x_, dy_, w_)
+        ws, wy, wsinv = ref.add_rms_norm(x, dy, w)
+        _expect("add_rms_norm s", s, ws)
+        _expect("add_rms_norm y", y, wy)
+        _expect("add_rms_norm inv", sinv, wsinv)
+        wdx, wdw = ref.add_rms_norm_bwd(s.get(), w, sinv.get(), x, dy)
+        dx, dw2 = clops.add_rms_norm_bwd(queue, s, w_, sinv, x_, dy_)
+        _expect("add_rms_norm_bwd dx", dx, wdx)
+        _expect("add_rms_norm_bwd dw", dw2, wdw)
+        if d > 1 and n < 100:
             _norm_narrow(queue, x, w, dy)
 
 

@@ -15,7 +15,7 @@ from clops import program, runtime
 from clops.program import BuildError, LimitError, kernels, render
 
 ROOT = Path(__file__).resolve().parents[1]
-PARAMS = dict(wg=32, vw=2, ept=1, idx="uint")
+PARAMS = dict(wg=32, vw=2, ept=1, idx="uint", st="float", gst="float")
 
 
 def test_second_call_builds_nothing(ctx_factory):
@@ -76,7 +76,7 @@ def test_two_identical_devices_of_one_context_each_get_their_program():
 
 def test_render_error_names_template_and_parameter():
     with pytest.raises(BuildError, match=r"elementwise\.cl\.mako.*'vw'"):
-        render("elementwise.cl.mako", wg=64, ept=1, idx="uint", checked=False)
+        render("elementwise.cl.mako", wg=64, ept=1, idx="uint", st="float", gst="float", checked=False)
 
 
 def test_build_error_names_template_and_log(ctx_factory, tmp_path, monkeypatch):
