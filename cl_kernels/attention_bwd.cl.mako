@@ -6,8 +6,10 @@
 //   "dq":  attn_bwd_dq (recomputes S and dP);
 //   "dqs": attn_bwd_dqs (dQ = dS·K from the dS that attn_bwd_dkv stored).
 //
-// Layout: q, o, dO, dq [n, nh, HD]; k, v, dk, dv [n, nkv, HD]; lse, D [n, nh]
-// (float32, row-major); n = windows·T; query head h reads kv head h / rep.
+// Layout: q, o, dO, dq [n, nh, HD]; k, v, dk, dv [n, nkv, HD] of storage type ST
+// (float, half or bf16: loads widen into the float tiles, each gradient's store rounds
+// to nearest even; math is float32); lse, D [n, nh] and ds float32; row-major;
+// n = windows·T; query head h reads kv head h / rep.
 //
 // Both gradient kernels repeat two steps per (query block, key block) pair:
 //   1. S = Q·Kᵀ and dP = dO·Vᵀ (BQ × BK): Q, dO, K, V are staged DC head-dim
@@ -37,7 +39,7 @@
 //
 // Parameters: WG work-items; BQ query rows, BK keys per block; SQ × SK score
 // tile per work-item; DC head-dim chunk of step 1; JC rows staged per part of
-// step 2; TR × TD accumulator tile (TD a multiple of VW); VW vector width.
+// step 2; TR × TD accumulator tile (TD a multiple of VW); VW vector width; ST storage type.
 // dqs takes WG, BQ, JC, TR, TD and VW only.
 // SPLIT = 1: every work-item holds both S and dP tiles (and, in dkv, both dV
 // and dK tiles). SPLIT = 2: the first half of the group computes S, the second
@@ -151,6 +153,7 @@ typedef ${vtype(vw)} vec_t;
 typedef ${vtype(tr)} cvec_t;         // TR coefficients of one staged row
 typedef union { cvec_t v; float s[TR]; } coef_t;  // written one score at a time, read TR at a time
 ${common.guards()}\
+${common.storage(st)}\
 
 ## Registers f{tag}{m}_{it}: this work-item's share of `rows` × `width` vectors of each
 ## source (pointer, row expression of `pos`), from row position pos0 and column vector col0;
@@ -167,7 +170,7 @@ ${common.guards()}\
         {
             const uint e = lid + ${it * wg}, pos = ${pos0} + e / ${width};
 %   for m, (src, rowexpr) in enumerate(srcs):
-            f${tag}${m}_${it} = pos < T ? ${src}[${at(src, "(%s) * HDV + %s + e %% %s" % (rowexpr, col0, width))}] : (vec_t)(0.0f);
+            f${tag}${m}_${it} = pos < T ? ${loadv(st, vw, src, "(%s) * HDV + %s + e %% %s" % (rowexpr, col0, width))} : (vec_t)(0.0f);
 %   endfor
         }
 % endfor
@@ -484,7 +487,7 @@ ${step2}\
     if (${pos0} + tr * TR + ${i} < T) {
         const idx_t at = (${rowexpr.format(pos="(%s + tr * TR + %d)" % (pos0, i))}) * HDV + tc;
 %   for jj in range(tdv):
-        ${dst}[${at(dst, "at + %d" % (jj * nc2))}] = acc${m}_${i}_${jj};
+        ${storev(st, vw, "acc%d_%d_%d" % (m, i, jj), dst, "at + %d" % (jj * nc2))};
 %   endfor
     }
 % endfor
@@ -495,7 +498,7 @@ ${step2}\
 // LANES-th vector of it; the row's first lane then adds the LANES sums in order.
 #define LANES ${lanes}
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void attn_bwd_dsum(__global const vec_t *restrict o, __global const vec_t *restrict dO,
+void attn_bwd_dsum(__global const ${vptr(st, vw)} *restrict o, __global const ${vptr(st, vw)} *restrict dO,
                    __global float *restrict dsum, const uint rows${checked_args("o", "dO", "dsum")})
 {
     __local float part[WG];
@@ -503,7 +506,7 @@ void attn_bwd_dsum(__global const vec_t *restrict o, __global const vec_t *restr
     vec_t acc = (vec_t)(0.0f);
     if (i < rows) {
         for (uint c = lane; c < HDV; c += LANES)
-            acc += o[${at("o", "(idx_t)i * HDV + c")}] * dO[${at("dO", "(idx_t)i * HDV + c")}];
+            acc += ${loadv(st, vw, "o", "(idx_t)i * HDV + c")} * ${loadv(st, vw, "dO", "(idx_t)i * HDV + c")};
     }
     part[lid] = ${" + ".join("acc" + e for e in comps)};
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -517,10 +520,10 @@ void attn_bwd_dsum(__global const vec_t *restrict o, __global const vec_t *restr
 
 #define CROW BK                      // row length of the P / dS tiles ([q][k])
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restrict k,
-                  __global const vec_t *restrict v, __global const vec_t *restrict dO,
+void attn_bwd_dkv(__global const ${vptr(st, vw)} *restrict q, __global const ${vptr(st, vw)} *restrict k,
+                  __global const ${vptr(st, vw)} *restrict v, __global const ${vptr(st, vw)} *restrict dO,
                   __global const float *restrict lse, __global const float *restrict dsum,
-                  __global vec_t *restrict dk, __global vec_t *restrict dv,${" __global float *restrict ds," if store_ds else ""}${" __global const int *restrict cu," if varlen else ""}
+                  __global ${vptr(st, vw)} *restrict dk, __global ${vptr(st, vw)} *restrict dv,${" __global float *restrict ds," if store_ds else ""}${" __global const int *restrict cu," if varlen else ""}
                   const uint ${tp}, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${variant_params()}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["ds"] * store_ds + ["cu"] * varlen)})
 {
     __local coef_t cp[BQ * BK / TR], cds[BQ * BK / TR];
@@ -571,10 +574,10 @@ void attn_bwd_dkv(__global const vec_t *restrict q, __global const vec_t *restri
 % elif kind == "dq":
 #define CROW BQ                      // row length of the dSᵀ tile ([k][q])
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restrict k,
-                 __global const vec_t *restrict v, __global const vec_t *restrict dO,
+void attn_bwd_dq(__global const ${vptr(st, vw)} *restrict q, __global const ${vptr(st, vw)} *restrict k,
+                 __global const ${vptr(st, vw)} *restrict v, __global const ${vptr(st, vw)} *restrict dO,
                  __global const float *restrict lse, __global const float *restrict dsum,
-                 __global vec_t *restrict dq,${" __global const int *restrict cu," if varlen else ""}
+                 __global ${vptr(st, vw)} *restrict dq,${" __global const int *restrict cu," if varlen else ""}
                  const uint ${tp}, const uint nh, const uint nkv, const uint nwin, const float c2, const float scale${variant_params()}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dq"] + ["cu"] * varlen)})
 {
     __local coef_t cds[BQ * BK / TR];
@@ -604,8 +607,8 @@ void attn_bwd_dq(__global const vec_t *restrict q, __global const vec_t *restric
 % else:
 #define JCP (JC + 1)                 // row stride of the staged dS chunk, padded against bank conflicts
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void attn_bwd_dqs(__global const vec_t *restrict k, __global const float *restrict ds,
-                  __global vec_t *restrict dq,${" __global const int *restrict cu," if varlen else ""}
+void attn_bwd_dqs(__global const ${vptr(st, vw)} *restrict k, __global const float *restrict ds,
+                  __global ${vptr(st, vw)} *restrict dq,${" __global const int *restrict cu," if varlen else ""}
                   const uint ${tp}, const uint nh, const uint nkv, const uint nwin${variant_params()}${checked_args(*["k", "ds", "dq"] + ["cu"] * varlen)})
 {
     __local float sds[BQ * JCP];

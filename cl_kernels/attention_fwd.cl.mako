@@ -1,7 +1,8 @@
 // clops attention forward: causal grouped-query flash attention inside windows.
 //
-// Layout: q [n, nh, HD], k and v [n, nkv, HD], o [n, nh, HD], lse [n, nh]
-// (float32, row-major); n = windows·T. Work-group (h, w, b) computes query
+// Layout: q [n, nh, HD], k and v [n, nkv, HD], o [n, nh, HD] of storage type ST
+// (float, half or bf16: loads widen into the float tiles, o's store rounds to nearest
+// even; math is float32), lse [n, nh] float32; row-major; n = windows·T. Work-group (h, w, b) computes query
 // head h of window w for the BQ query rows of block b; blocks are numbered
 // in reverse so the heaviest (last) blocks start first.
 //
@@ -29,7 +30,7 @@
 //
 // Parameters: BQ query rows per group, RQ rows per work-item, TX work-items
 // across keys/columns, BK keys per block, VW vector width, DC head-dim chunk
-// of Q·Kᵀ, KC key chunk of P·V, HD head dim (HDP: padded to TX·VW).
+// of Q·Kᵀ, KC key chunk of P·V, HD head dim (HDP: padded to TX·VW), ST storage type.
 //
 // Variants (flags; causal = 1 and the others 0 give the kernel described above):
 // causal = 0: every key of the window is seen; sliding: only keys with
@@ -90,6 +91,7 @@ typedef ${vtype(vw)} vec_t;
 typedef ${vtype(pw)} pvec_t;
 typedef ${vtype(rw)} rvec_t;
 ${common.guards()}\
+${common.storage(st)}\
 
 ## Fetch rows [r0, r0 + rows) × vector columns [c0, c0 + cols) of src into registers dst[n];
 ## rows past the window and columns past the head dim read as zero.
@@ -98,7 +100,7 @@ ${common.guards()}\
             for (int u = 0; u < ${n}; ++u) {
                 const uint e = lid + u * WG, r = e / (${cols}), d = (${c0}) + e % (${cols});
                 ${dst}[u] = (e < (${rows}) * (${cols}) && (${r0}) + r < T && d < HD / VW)
-                    ? ${src}[${at(src, "%s + ((%s) + r) * %s + d" % (base, r0, stride))}] : (vec_t)(0.0f);
+                    ? ${loadv(st, vw, src, "%s + ((%s) + r) * %s + d" % (base, r0, stride))} : (vec_t)(0.0f);
             }
 </%def>
 ## Store the fetched registers src[n] into local rows of `stride` vectors.
@@ -139,8 +141,8 @@ ${common.guards()}\
 </%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restrict k,
-                   __global const vec_t *restrict v, __global vec_t *restrict o, __global float *restrict lse,${"""
+void attention_fwd(__global const ${vptr(st, vw)} *restrict q, __global const ${vptr(st, vw)} *restrict k,
+                   __global const ${vptr(st, vw)} *restrict v, __global ${vptr(st, vw)} *restrict o, __global float *restrict lse,${"""
                    __global const int *restrict cu,""" if varlen else ""}
                    const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
 {
@@ -341,7 +343,7 @@ void attention_fwd(__global const vec_t *restrict q, __global const vec_t *restr
             const idx_t row = qbase + qi * qstride;
             #pragma unroll
             for (int j = 0; j < RDV; ++j) {
-                if (j * TX + tx < HD / VW) o[${at("o", "row + j * TX + tx")}] = acc[i][j] / lt;
+                if (j * TX + tx < HD / VW) ${storev(st, vw, "acc[i][j] / lt", "o", "row + j * TX + tx")};
             }
             if (tx == 0) lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[i] * M_LN2_F + log(lt);
         }

@@ -1,6 +1,8 @@
 """Grouped-query attention inside windows or sequences: forward (and, below it, the backward).
 
-Layout: q ``[n, nh, hd]``, k and v ``[n, nkv, hd]``, float32, C-contiguous;
+Layout: q ``[n, nh, hd]``, k and v ``[n, nkv, hd]``, C-contiguous, of one storage dtype (float32,
+float16 or bfloat16: loads widen, the math is float32, each stored result is rounded once to
+nearest even; ``lse``, the backward's D and its dS scratch are float32 always);
 ``n = windows · window`` tokens (or the sequences of ``cu_seqlens``), attention
 never crosses a window and positions restart at 0 in each; key j is seen by
 query i of the same window iff ``j ≤ i`` (causal, the default; every j otherwise),
@@ -45,15 +47,16 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
-from .args import (FLOAT32_MAX, I32, check_array, check_queue, events, finite_float, flag, hold, index_array,
-                   index_type, outputs, positive_int, scratch, wrote)
+from .args import (F32, FLOAT32_MAX, FLOATS, I32, check_array, check_queue, events, finite_float, flag, hold,
+                   index_array, index_type, outputs, positive_int, scratch, storage, wrote)
 from .program import LimitError
 from .spec import Spec
 
 MAX_HD = 256
 LOG2E = 1.4426950408889634
-# The variant flags of the templates (_Call.extra) rendered when a call gives none: causal attention.
-PLAIN = {"causal": 1, "sliding": 0, "softcap": 0, "varlen": 0}
+# The variant flags and storage type of the templates (_Call.extra) rendered when a call gives none:
+# causal attention at float32.
+PLAIN = {"causal": 1, "sliding": 0, "softcap": 0, "varlen": 0, "st": "float"}
 
 
 def visible_condition(causal, sliding, i, j):
@@ -69,13 +72,13 @@ def visible_condition(causal, sliding, i, j):
 def _check_geometry(queue, q, k, v):
     """(n, nh, nkv, hd) of valid q, k, v; raises naming the argument otherwise."""
     check_queue(queue)
-    check_array("q", q, queue, ndim=3)
+    check_array("q", q, queue, ndim=3, dtype=FLOATS)
     n, nh, hd = q.shape
-    check_array("k", k, queue, ndim=3)
+    check_array("k", k, queue, ndim=3, dtype=q.dtype, like="q")
     if k.shape[0] != n or k.shape[2] != hd:
         raise ValueError(f"k: expected shape ({n}, nkv, {hd}) to match q {q.shape}, got {k.shape}")
     nkv = k.shape[1]
-    check_array("v", v, queue, shape=k.shape)
+    check_array("v", v, queue, shape=k.shape, dtype=q.dtype, like="q")
     if nh % nkv:
         raise ValueError(f"k: nh ({nh}, from q) must be a multiple of nkv ({nkv}, from k)")
     if hd % 8 or hd > MAX_HD:
@@ -146,11 +149,13 @@ class _Call:
     W: int  # the sliding window, 0 for none (also when it covers every sequence)
     softcap: float  # 0.0 for none
     scale: float
+    st: str  # q, k and v's storage type (clops.args.storage)
 
     def extra(self):
-        """The variant's template parameters (all four 0/1 flags; causal alone: the plain kernels)."""
+        """The variant's template parameters (all four 0/1 flags, causal alone: the plain kernels; the
+        storage type)."""
         return {"causal": int(self.causal), "sliding": int(self.W > 0), "softcap": int(self.softcap > 0),
-                "varlen": int(self.cu is not None)}
+                "varlen": int(self.cu is not None), "st": self.st}
 
     def coefs(self):
         """The score coefficient (scale·log2 e, or scale/softcap under the cap) and, with a softcap,
@@ -179,7 +184,7 @@ def _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_
             raise ValueError(f"softcap: must be positive, got {softcap!r}")
         if abs(scale) / cap > FLOAT32_MAX or cap * LOG2E > FLOAT32_MAX:
             raise ValueError(f"softcap: scale/softcap and softcap·log2(e) must be finite in float32, got {cap:.4g}")
-    return _Call(n, nh, nkv, hd, nseq, T, cu, causal, W, cap, scale)
+    return _Call(n, nh, nkv, hd, nseq, T, cu, causal, W, cap, scale, storage(q.dtype))
 
 
 def _upload(queue, call, allocator):
@@ -255,8 +260,8 @@ def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, 
     """
     call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
-    out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh))],
-                       [("q", q), ("k", k), ("v", v)])
+    out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh), F32)],
+                       [("q", q), ("k", k), ("v", v)], dtype=q.dtype)
     p, knl = FWD.kernels(queue, {"hd": hd}, idx=index_type(n * nh * hd), **call.extra())
     cu = _upload(queue, call, allocator)
     nqb = -(-call.T // p["bq"])
@@ -479,9 +484,9 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     """
     call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
-    check_array("o", o, queue, shape=q.shape)
+    check_array("o", o, queue, shape=q.shape, dtype=q.dtype, like="q")
     check_array("lse", lse, queue, shape=(n, nh))
-    check_array("do", do, queue, shape=q.shape)
+    check_array("do", do, queue, shape=q.shape, dtype=q.dtype, like="q")
     dev = queue.device
     floats = ds_scratch_floats(call)
     if store_ds is None:
@@ -493,7 +498,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
                          f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({dev.max_mem_alloc_size})")
     qkind = "dqs" if store_ds else "dq"
     dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
-                         [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)])
+                         [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)], dtype=q.dtype)
     sc, extra = {"hd": hd}, call.extra()
     idx = index_type(n * nh * hd, floats if store_ds else 0)
     pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds), **extra)

@@ -19,15 +19,17 @@ def narrow_ulps(dtype, f32_tol):
     return 1 + 2 * f32_tol / float(ml_dtypes.finfo(dtype).eps)
 
 
-def assert_storage_close(name, got, want, dtype, tol32):
+def assert_storage_close(name, got, want, dtype, tol32, scale=None):
     """``got`` (stored as the 16-bit ``dtype``) against the float64 ``want`` rounded once to ``dtype``:
-    within 1 ulp of ``dtype`` at the row's scale (max |want| over the last axis; a vector is one row)
-    plus the float32 parity tolerance ``tol32`` of that scale (:func:`narrow_ulps`)."""
+    within 1 ulp of ``dtype`` at the row's scale (max |want| over the last axis, a vector being one
+    row, unless ``scale`` gives the rows' scales) plus the float32 parity tolerance ``tol32`` of that
+    scale (:func:`narrow_ulps`)."""
     from clops.reference import ulps_off
 
     assert got.dtype == dtype, f"{name}: dtype {got.dtype}, expected {dtype}"
     want = np.asarray(want, dtype=np.float64)
-    scale = np.max(np.abs(want), axis=-1, keepdims=True)
+    if scale is None:
+        scale = np.max(np.abs(want), axis=-1, keepdims=True)
     off = ulps_off(got.get() if hasattr(got, "get") else got, want, dtype, scale)
     allowed = narrow_ulps(dtype, tol32)
     assert off <= allowed, f"{name}: {off:.4g} ulps of {dtype} at the row's scale > {allowed:.4g}"
