@@ -6,8 +6,8 @@ written once, as a fraction of the copy bandwidth measured in the same run (a
 device-to-device copy, read + write). The two-op row "add+rms_norm" counts
 the bytes of ``add_rms_norm`` (what the fusion saves shows as a lower GB/s), and
 "rms_norm_bwd+dw" (two kernels) those of the one pass. Attention reports TFLOP/s (forward:
-4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that) as a fraction of
-the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
+4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that; at every dtype, its
+math being float32) as a fraction of the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
 the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
 device times from profiling events (the sum of an op's kernels, gaps between
 them left out): warm-up, then 7 runs, median kept.
@@ -65,7 +65,7 @@ DTYPES = {"float32": F32, "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": n
 NARROW_OPS = frozenset({"swiglu", "swiglu_bwd", "swiglu_limit", "swiglu_gated", "swiglu_gated_bwd", "sigmoid_gate",
                         "sigmoid_gate_bwd", "add", "cross_entropy", "cross_entropy_bwd", "embedding",
                         "embedding_bwd", "adamw", "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope",
-                        "qk_norm_rope_bwd"})
+                        "qk_norm_rope_bwd", "attention", "attention_bwd"})
 
 
 def bench_op(name):
@@ -499,8 +499,9 @@ def benches(small):
     for name, geo in shapes.items():
         shape = "{}×{} nh={} nkv={} hd={}".format(*geo)
         for backward, label in ((False, "attention"), (True, "attention+attention_bwd")):
-            peers = ((f"SDPA fp32 gqa{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, False, *geo)),
-                     (f"SDPA fp32 expanded K/V{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, True, *geo)))
+            # q, k, v, do at the bench's dtype (lse float32, as attention makes it); FLOPs whatever the dtype
+            peers = ((f"SDPA gqa{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, False, *geo)),
+                     (f"SDPA expanded K/V{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, True, *geo)))
             out.append(Bench(f"{label} {name}", shape, "TFLOP/s", _attention(backward, *geo), peers))
     for name, (windows, window, nh, nkv, hd) in shapes.items():
         tok, heads = windows * window, f"nh={nh} nkv={nkv} hd={hd}"

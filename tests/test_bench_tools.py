@@ -56,11 +56,15 @@ def test_bench_small_json(queue, tmp_path):
 def test_bench_at_bfloat16_counts_the_bytes_moved_and_skips_float32_ops(queue, tmp_path):
     path, lines = tmp_path / "bench.json", []
     assert bench.NARROW_OPS <= set(clops.__all__)
+    attn = ["attention small-hd64", "attention+attention_bwd small-hd64"]
     rc = bench.main(["--small", "--dtype", "bfloat16", "--json", str(path), "--only", "embedding", "--only", "adamw",
-                     "--only", "gemm"], queue=queue, out=lines.append)
+                     "--only", "gemm", "--only", attn[0], "--only", attn[1]], queue=queue, out=lines.append)
     data = json.loads(path.read_text())
     ops, n = data["ops"], bench.TOKENS_SMALL * bench.D_SMALL
-    assert rc == 0 and data["dtype"] == "bfloat16" and set(ops) == {"embedding", "embedding_bwd", "adamw", "gemm"}
+    assert rc == 0 and data["dtype"] == "bfloat16" and set(ops) == {"embedding", "embedding_bwd", "adamw", "gemm", *attn}
+    windows, window, nh, _, hd = bench.ATTENTION_SMALL["small-hd64"]
+    assert all(ops[a]["status"] == "ok" for a in attn)
+    assert ops[attn[0]]["work"] == tune.attention_flops(windows, window, nh, hd)  # FLOPs, whatever the dtype
     assert ops["embedding"]["work"] == 4 * bench.TOKENS_SMALL + 2 * 2 * n  # ids; bf16 rows read and written
     assert ops["adamw"]["work"] == (6 * 4 + 2 + 2) * n  # float32 p, m, v read and written; bf16 g read, p_half written
     assert ops["gemm"]["status"] == "skipped" and ops["adamw"]["status"] == "ok"
