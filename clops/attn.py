@@ -168,6 +168,11 @@ class _Call:
         """The trailing kernel arguments of a variant: the sliding window, then (``softcap``) softcap·log2 e."""
         return ([np.uint32(self.W)] if self.W else []) + (self.coefs()[1:] if softcap else [])
 
+    def key(self):
+        """What determines the kernels, grids and scalar arguments of the call (a plan's memo key)."""
+        return (self.n, self.nh, self.nkv, self.hd, self.nseq, self.T, self.causal, self.W, self.softcap, self.scale,
+                self.st, self.cu is not None)
+
 
 def _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale):
     n, nh, nkv, hd = _check_geometry(queue, q, k, v)
@@ -247,6 +252,13 @@ FWD = Spec(
     render=lambda p, sc: dict(p, hd=sc["hd"], **PLAIN), doc="attention forward (the module docstring lists the tiles)")
 
 
+def _fwd_plan(queue, call):
+    """(kernel, grid, scalar arguments) of the forward for ``call``: one memo lookup when warm."""
+    p, knl = FWD.kernels(queue, {"hd": call.hd}, idx=index_type(call.n * call.nh * call.hd), **call.extra())
+    scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0]]
+    return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // p["bq"])), scalars + call.variant_args()
+
+
 def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True, sliding_window=None,
               softcap=None, scale=None, out=None, lse=None, wait_for=None, allocator=None):
     """``(o [n, nh, hd], lse [n, nh])``: softmax attention inside each window or sequence.
@@ -262,12 +274,10 @@ def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, 
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh), F32)],
                        [("q", q), ("k", k), ("v", v)], dtype=q.dtype)
-    p, knl = FWD.kernels(queue, {"hd": hd}, idx=index_type(n * nh * hd), **call.extra())
+    knl, groups, scalars = FWD.plan(queue, call.key(), _fwd_plan, call)
     cu = _upload(queue, call, allocator)
-    nqb = -(-call.T // p["bq"])
-    args = ([q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data] + ([cu.base_data] if cu is not None else [])
-            + [np.uint32(call.T), np.uint32(nh), np.uint32(nh // nkv), call.coefs()[0]] + call.variant_args())
-    evt = knl["attention_fwd"](queue, (nh, call.nseq, nqb), args, wait_for=events(wait_for, q, k, v, out, lse, cu))
+    args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data] + ([cu.base_data] if cu is not None else [])
+    evt = knl(queue, groups, args + scalars, wait_for=events(wait_for, q, k, v, out, lse, cu))
     hold([evt], q, k, v, out, lse, cu)
     return wrote([evt], out, lse)
 
@@ -467,6 +477,36 @@ def store_ds_default(dev, scratch_bytes):
     return scratch_bytes <= min(dev.max_mem_alloc_size, dev.global_mem_size // 8)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BwdPlan:
+    """The backward's kernels, grids and fixed scalar arguments for one call's key."""
+    dsum: object
+    dsum_groups: tuple
+    dkv: object
+    kv_groups: tuple
+    kv_scalars: list  # after the buffers (and cu_seqlens): geometry, coefficients, variant
+    dq: object  # attn_bwd_dqs (dS stored) or attn_bwd_dq
+    q_groups: tuple
+    q_scalars: list
+
+
+def _bwd_plan(queue, call, store_ds, floats):
+    sc, extra = {"hd": call.hd}, call.extra()
+    qkind = "dqs" if store_ds else "dq"
+    idx = index_type(call.n * call.nh * call.hd, floats if store_ds else 0)
+    pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds), **extra)
+    # dQ from the stored dS does not depend on the softcap: one build for both
+    pq, q_knl = BWD[qkind].kernels(queue, sc, idx=idx, **(dict(extra, softcap=0) if store_ds else extra))
+    geom = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nkv), np.uint32(call.nseq)]
+    coefs = [call.coefs()[0], np.float32(call.scale)]
+    rows = call.n * call.nh
+    return _BwdPlan(kv_knl["attn_bwd_dsum"], (-(-rows // (pk["wg"] // pk["lanes"])),),
+                    kv_knl["attn_bwd_dkv"], (-(-call.T // pk["bk"]) * call.nseq * call.nkv,),
+                    geom + coefs + call.variant_args(),
+                    q_knl["attn_bwd_" + qkind], (-(-call.T // pq["bq"]) * call.nseq * call.nh,),
+                    geom + call.variant_args(softcap=False) if store_ds else geom + coefs + call.variant_args())
+
+
 def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True,
                   sliding_window=None, softcap=None, scale=None, store_ds=None, dq=None, dk=None, dv=None,
                   wait_for=None, allocator=None):
@@ -496,36 +536,24 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     elif store_ds and 4 * floats > dev.max_mem_alloc_size:
         raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
                          f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({dev.max_mem_alloc_size})")
-    qkind = "dqs" if store_ds else "dq"
     dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
                          [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)], dtype=q.dtype)
-    sc, extra = {"hd": hd}, call.extra()
-    idx = index_type(n * nh * hd, floats if store_ds else 0)
-    pk, kv_knl = BWD["dkv"].kernels(queue, sc, idx=idx, store_ds=int(store_ds), **extra)
-    # dQ from the stored dS does not depend on the softcap: one build for both
-    pq, q_knl = BWD[qkind].kernels(queue, sc, idx=idx, **(dict(extra, softcap=0) if store_ds else extra))
-    q_knl = q_knl["attn_bwd_" + qkind]
+    plan = BWD["dkv"].plan(queue, (*call.key(), store_ds), _bwd_plan, call, store_ds, floats)
     cu = _upload(queue, call, allocator)
     seqs = [cu.base_data] if cu is not None else []
     dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
     stored = [scratch(queue, floats, allocator)] if store_ds else []  # dS
-    rows = n * nh
-    e_sum = kv_knl["attn_bwd_dsum"](queue, (-(-rows // (pk["wg"] // pk["lanes"])),),
-                                    [o.base_data, do.base_data, dsum, np.uint32(rows)],
-                                    wait_for=events(wait_for, o, do))
-    geom = seqs + [np.uint32(call.T), np.uint32(nh), np.uint32(nkv), np.uint32(call.nseq)]
-    coefs = [call.coefs()[0], np.float32(call.scale)]
+    e_sum = plan.dsum(queue, plan.dsum_groups, [o.base_data, do.base_data, dsum, np.uint32(n * nh)],
+                      wait_for=events(wait_for, o, do))
     ins = [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data, dsum]
-    e_kv = kv_knl["attn_bwd_dkv"](queue, (-(-call.T // pk["bk"]) * call.nseq * nkv,),
-                                  ins + [dk.base_data, dv.base_data] + stored + geom + coefs + call.variant_args(),
-                                  wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, cu))
-    q_groups = (-(-call.T // pq["bq"]) * call.nseq * nh,)
+    e_kv = plan.dkv(queue, plan.kv_groups, ins + [dk.base_data, dv.base_data] + stored + seqs + plan.kv_scalars,
+                    wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, cu))
     if store_ds:
-        e_q = q_knl(queue, q_groups, [k.base_data, stored[0], dq.base_data] + geom + call.variant_args(softcap=False),
-                    wait_for=[e_kv] + events(None, dq))
+        e_q = plan.dq(queue, plan.q_groups, [k.base_data, stored[0], dq.base_data] + seqs + plan.q_scalars,
+                      wait_for=[e_kv] + events(None, dq))
     else:
-        e_q = q_knl(queue, q_groups, ins + [dq.base_data] + geom + coefs + call.variant_args(),
-                    wait_for=[e_sum] + events(None, q, k, v, lse, dq, cu))
+        e_q = plan.dq(queue, plan.q_groups, ins + [dq.base_data] + seqs + plan.q_scalars,
+                      wait_for=[e_sum] + events(None, q, k, v, lse, dq, cu))
     # on an out-of-order queue dQ (recomputed) may finish before dK/dV: both are waited for
     hold([e_kv, e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, cu, *stored)
     wrote([e_kv], dk, dv)

@@ -65,7 +65,8 @@ DTYPES = {"float32": F32, "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": n
 NARROW_OPS = frozenset({"swiglu", "swiglu_bwd", "swiglu_limit", "swiglu_gated", "swiglu_gated_bwd", "sigmoid_gate",
                         "sigmoid_gate_bwd", "add", "cross_entropy", "cross_entropy_bwd", "embedding",
                         "embedding_bwd", "adamw", "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope",
-                        "qk_norm_rope_bwd", "attention", "attention_bwd"})
+                        "qk_norm_rope_bwd", "rms_norm_bwd_dw",
+                        "add_rms_norm", "add_rms_norm_bwd", "attention", "attention_bwd"})
 
 
 def bench_op(name):
