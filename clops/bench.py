@@ -65,7 +65,7 @@ DTYPES = {"float32": F32, "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": n
 NARROW_OPS = frozenset({"swiglu", "swiglu_bwd", "swiglu_limit", "swiglu_gated", "swiglu_gated_bwd", "sigmoid_gate",
                         "sigmoid_gate_bwd", "add", "cross_entropy", "cross_entropy_bwd", "embedding",
                         "embedding_bwd", "adamw", "rms_norm", "rms_norm_bwd", "rms_norm_dw", "qk_norm_rope",
-                        "qk_norm_rope_bwd", "rms_norm_bwd_dw",
+                        "qk_norm_rope_bwd",
                         "add_rms_norm", "add_rms_norm_bwd", "attention", "attention_bwd"})
 
 
@@ -474,7 +474,7 @@ def benches(small):
         Bench("rms_norm_bwd", nd, "GB/s", _mem("rms_norm_bwd", [a, ((d,), 2), ((n,), 7, 0.5, F32), dc])),
         Bench("rms_norm_dw", nd, "GB/s", _mem("rms_norm_dw", [a, ((n,), 7, 0.5, F32), dc])),
         Bench("rms_norm_bwd+dw", nd, "GB/s", _norm_bwd(n, d), (("F.rms_norm backward", _peer_rms(n, d, True)),)),
-        Bench("rms_norm_bwd_dw", nd, "GB/s", _norm_bwd_one_pass(n, d),
+        Bench("rms_norm_bwd dw= one pass", nd, "GB/s", _norm_bwd_one_pass(n, d),
               (("F.rms_norm backward", _peer_rms(n, d, True)),)),
         Bench("add_rms_norm", nd, "GB/s", _add_norm(False, True, n, d), (("a + b, F.rms_norm", _peer_add_rms(n, d)),)),
         Bench("add+rms_norm", nd, "GB/s", _add_norm(False, False, n, d)),
