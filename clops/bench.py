@@ -223,8 +223,8 @@ def _add_norm(backward, fused, n, d):
 
 
 def _peer_add_rms(n, d):
-    def make(torch):
-        a, b, w = _t_rand(torch, (n, d), 1), _t_rand(torch, (n, d), 2), _t_rand(torch, (d,), 3)
+    def make(torch, dtype):
+        a, b, w = (_t_rand(torch, shape, seed, dtype) for shape, seed in (((n, d), 1), ((n, d), 2), ((d,), 3)))
 
         def call():
             s = a + b
