@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pyopencl as cl
@@ -49,6 +50,7 @@ import pyopencl.array as cla
 
 from .args import (F32, FLOAT32_MAX, FLOATS, I32, check_array, check_queue, events, finite_float, flag, hold,
                    index_array, index_type, outputs, positive_int, scratch, storage, wrote)
+from . import mma
 from .program import LimitError
 from .spec import Spec
 
@@ -252,11 +254,52 @@ FWD = Spec(
     render=lambda p, sc: dict(p, hd=sc["hd"], **PLAIN), doc="attention forward (the module docstring lists the tiles)")
 
 
+# The matrix-unit forward: attention_fwd_mma.cl.mako, the same kernel arguments and grid layout,
+# its tile products (tile_products.cl.mako) chosen by clops.mma.forward_product. Op name in the
+# tuning database "attention_fwd_mma", shape class {"hd", "st", "product"}. Its parameters:
+#   nw  warps of 32 work-items per group, each on 16 query rows (16·nw rows a group);
+#   bk  keys per key block, a multiple of 16.
+# Local memory: max(bk·(hd + e), hd·(bk + e))·s + 4 bytes (s = 4, e = 4 for float storage; s = 2, e = 8 for 16-bit),
+# plus 4·(16·nw·bk + 64·nw) with the portable products.
+
+def _mma_local_bytes(p, sc):
+    pad, size = (8, 2) if sc["st"] != "float" else (4, 4)
+    stage = max(p["bk"] * (sc["hd"] + pad), sc["hd"] * (p["bk"] + pad)) * size  # K, or V transposed
+    portable = 4 * (16 * p["nw"] * p["bk"] + 2 * 32 * p["nw"]) if sc["product"] == "fma" else 0
+    return stage + 4 + portable
+
+
+def _mma_heuristic(dev, sc):
+    """Four warps and 64 keys a block on a GPU (fewer keys until the block fits), two and 16 elsewhere."""
+    if not dev.type & cl.device_type.GPU:
+        return {"nw": 2, "bk": 16}
+    p = {"nw": 4, "bk": 64}
+    while _mma_local_bytes(p, sc) > dev.local_mem_size and p["bk"] > 16:
+        p["bk"] //= 2
+    return p
+
+
+FWD_MMA = Spec(
+    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk"),
+    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128]}, _mma_heuristic,
+    rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),),
+    wg=lambda p, sc: 32 * p["nw"], local_bytes=_mma_local_bytes,
+    render=lambda p, sc: {**PLAIN, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
+    doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
+
+
 def _fwd_plan(queue, call):
     """(kernel, grid, scalar arguments) of the forward for ``call``: one memo lookup when warm."""
-    p, knl = FWD.kernels(queue, {"hd": call.hd}, idx=index_type(call.n * call.nh * call.hd), **call.extra())
+    product, _ = mma.forward_product(queue, call.st)
+    idx = index_type(call.n * call.nh * call.hd)
+    if product is None:
+        p, knl = FWD.kernels(queue, {"hd": call.hd}, idx=idx, **call.extra())
+        rows = p["bq"]
+    else:
+        p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx, **call.extra())
+        rows = 16 * p["nw"]
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0]]
-    return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // p["bq"])), scalars + call.variant_args()
+    return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()
 
 
 def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True, sliding_window=None,
@@ -274,7 +317,8 @@ def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, 
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh), F32)],
                        [("q", q), ("k", k), ("v", v)], dtype=q.dtype)
-    knl, groups, scalars = FWD.plan(queue, call.key(), _fwd_plan, call)
+    # CLOPS_MMA is read per call (a dict lookup): the path may change between calls in one process.
+    knl, groups, scalars = FWD.plan(queue, (*call.key(), os.environ.get("CLOPS_MMA")), _fwd_plan, call)
     cu = _upload(queue, call, allocator)
     args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data] + ([cu.base_data] if cu is not None else [])
     evt = knl(queue, groups, args + scalars, wait_for=events(wait_for, q, k, v, out, lse, cu))

@@ -1,0 +1,225 @@
+// clops attention forward, matrix-unit driver: the same op as attention_fwd.cl.mako (layout,
+// variants, arguments, lse), organised for warp-level tile products (tile_products.cl.mako).
+//
+// Work-group (h, w, b) computes query head h of window (sequence) w for the BQ = 16·NW query
+// rows of block b (blocks in reverse, the heaviest first); warp wi of the group owns rows
+// row0 = q0 + 16·wi .. row0 + 15 (lane = lid % 32, g = lane / 4, t = lane % 4). Per key block
+// of BK keys: the group stages K in local memory; each warp scores its rows (S = Q·Kᵀ, an
+// accumulator tile s[BK/8][4]), masks, scales (and caps) in the log2 domain, takes the online
+// softmax (row maxima and sums across the 4 lanes of a quad), then the group stages V in the
+// same local memory and each warp accumulates O += P·V into o[HD/8][4] (the head dim in tiles
+// of 8 columns; V is staged transposed). Rows past the sequence compute on zero Q and are never stored; keys past it
+// are staged as zero and masked. In blocks crossing the mask's edges a key a row does not see
+// has P = 0, which a matrix product still multiplies by V: if the staged V holds a non-finite
+// value there, the block's P·V takes the product's exact masked form instead, so a NaN or Inf
+// of V reaches only the rows that see it.
+//
+// Parameters: NW warps per group, BK keys per block (a multiple of 16), HD head dim (a multiple
+// of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16).
+<%!
+    from clops.attn import visible_condition
+    from clops.program import ctype
+%>\
+<%
+    narrow = st != "float"
+    et = ctype(st)                          # a stored element: float, or ushort bits
+    ev = "uint4" if narrow else "float4"    # 16 bytes of them
+    per = 8 if narrow else 4                # elements per 16 bytes
+    plain = causal and not sliding
+
+    def visible(i, j):                      # query position i sees key position j
+        return visible_condition(causal, sliding, i, j) or "1"
+    tok0 = "tok0" if varlen else "w * T"
+    kb_first = "0" if plain and not varlen else "kb0"
+    edges = [x for x in ("k0 + BK - 1 > q0" if causal else None, "q0 + BQ > k0 + W" if sliding else None,
+                         "k0 + BK > q0 + W" if sliding and not causal else None) if x]
+%>\
+<%namespace name="common" file="common.cl.mako"/>\
+<%namespace name="tp" file="tile_products.cl.mako"/>\
+#define HD ${hd}
+#define HD16 ((HD + 15) / 16)
+#define NW ${nw}
+#define BQ (16 * NW)
+#define WG (32 * NW)
+#define BK ${bk}
+#define KS (HD + ${per})             // row stride (elements) of staged K, padded against bank conflicts
+#define VTS (BK + ${per})            // column stride of staged (transposed) V
+#define PER ${per}
+#define STAGE (BK * KS > HD * VTS ? BK * KS : HD * VTS)
+typedef ${idx} idx_t;
+${common.guards()}\
+${common.storage(st)}\
+${tp.decls(kind, st)}\
+${tp.vpos(kind)}\
+
+## Stage rows k0 .. k0 + BK - 1 of K into stage (ks[key * KS + d]); rows past T are zero.
+<%def name="put_k()">
+        for (uint e = lid; e < BK * (HD / PER); e += WG) {
+            const uint r = e / (HD / PER), cv = e % (HD / PER);
+            ${ev} x = (${ev})(0);
+            if (k0 + r < T) x = *(__global const ${ev} *)(k + ${at("k", "kbase + (idx_t)(k0 + r) * kstride + cv * PER", per)});
+            *(__local ${ev} *)(stage + r * KS + cv * PER) = x;
+        }
+</%def>
+
+## Stage rows k0 .. k0 + BK - 1 of V transposed (vt[col * VTS + VPOS(key)]), two keys a work-item
+## so that each store is one word or two floats; rows past T are zero. `check`: set nonfinite
+## when a staged value is NaN or ±Inf.
+<%def name="put_v(check)">
+        for (uint e = lid; e < (BK / 2) * (HD / PER); e += WG) {
+            const uint r = 2 * (e % (BK / 2)), cv = e / (BK / 2);
+            const idx_t at0 = kbase + (idx_t)(k0 + r) * kstride + cv * PER;
+            ${ev} x0 = (${ev})(0), x1 = (${ev})(0);
+            if (k0 + r < T) x0 = *(__global const ${ev} *)(v + ${at("v", "at0", per)});
+            if (k0 + r + 1 < T) x1 = *(__global const ${ev} *)(v + ${at("v", "at0 + kstride", per)});
+% if narrow:
+% for i in range(8):
+            *(__local uint *)(stage + (cv * 8 + ${i}) * VTS + VPOS(r)) = ${"(x0.s%d & 0xffffu) | (x1.s%d << 16)" % (i // 2, i // 2) if i % 2 == 0 else "(x0.s%d >> 16) | (x1.s%d & 0xffff0000u)" % (i // 2, i // 2)};
+% endfor
+% else:
+% for i in range(4):
+            *(__local float2 *)(stage + (cv * 4 + ${i}) * VTS + r) = (float2)(x0.s${i}, x1.s${i});
+% endfor
+% endif
+% if check:
+% if narrow:
+            const uint4 e0 = x0 & (uint4)(${"0x7f807f80u" if st == "bf16" else "0x7c007c00u"}), e1 = x1 & (uint4)(${"0x7f807f80u" if st == "bf16" else "0x7c007c00u"});
+            const uint inf = ${"0x7f80u" if st == "bf16" else "0x7c00u"};
+            if (any((e0 & 0xffffu) == inf) || any((e0 >> 16) == inf) || any((e1 & 0xffffu) == inf) || any((e1 >> 16) == inf))
+                nonfinite = 1;
+% else:
+            if (any(isinf(x0)) || any(isnan(x0)) || any(isinf(x1)) || any(isnan(x1))) nonfinite = 1;
+% endif
+% endif
+        }
+</%def>
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,
+                   __global const ${et} *restrict v, __global ${et} *restrict o, __global float *restrict lse,${"""
+                   __global const int *restrict cu,""" if varlen else ""}
+                   const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
+{
+    __local ${et} stage[STAGE] __attribute__((aligned(16)));  // K, then V, of the key block
+    __local const ${et} *ks = stage, *vt = stage;
+    __local int nonfinite;
+${tp.locals(kind)}\
+
+    const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
+    const uint h = get_group_id(0), w = get_group_id(1);
+    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
+% if varlen:
+    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
+% endif
+    const uint nkv = nh / rep;
+    const uint qstride = nh * HD, kstride = nkv * HD;  // elements
+    const idx_t qbase = (idx_t)${tok0} * qstride + h * HD;
+    const idx_t kbase = (idx_t)${tok0} * kstride + (h / rep) * HD;
+% if plain and not varlen:
+    const uint nkb = (min(q0 + BQ, T) - 1) / BK + 1;
+% else:
+    // the key blocks holding a key that a row of the block sees (none past the sequence's end)
+    const uint qlast = min(q0 + BQ, T) - 1;
+    const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
+    const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
+% endif
+
+    float acc[HD / 8][4];
+    #pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+    }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+${tp.load_q(kind, st)}\
+
+    for (uint kb = ${kb_first}; kb < nkb; ++kb) {
+        const uint k0 = kb * BK;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        ${put_k()}
+        if (lid == 0) nonfinite = 0;
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        float s[BK / 8][4];
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+        }
+${tp.qk(kind, st)}\
+
+        // Mask and scale${" (and cap)" if softcap else ""}; row maxima across the quad.
+        float mx[2] = {-INFINITY, -INFINITY};
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const uint qi = row0 + g + (e >> 1) * 8, kj = k0 + 8 * j + 2 * t + (e & 1);
+                s[j][e] = (${visible("qi", "kj")} && kj < T) ? ${"cap * tanh(s[j][e] * c)" if softcap else "s[j][e] * c"} : -INFINITY;
+                mx[e >> 1] = fmax(mx[e >> 1], s[j][e]);
+            }
+        }
+${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float mnew = fmax(m[r], mx[r]);
+% if sliding:
+            // A row may see no key of the first blocks: m stays -inf, and mref = 0 keeps its sums 0.
+            const float mref = mnew == -INFINITY ? 0.0f : mnew;
+% else:
+            const float mref = mnew;  // block 0 holds key 0, which every row sees: finite from the first block
+% endif
+            const float corr = exp2(m[r] - mref);
+            m[r] = mnew;
+            l[r] *= corr;
+            #pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                acc[n][2 * r] *= corr;
+                acc[n][2 * r + 1] *= corr;
+            }
+            #pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                #pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    s[j][2 * r + x] = exp2(s[j][2 * r + x] - mref);
+                    l[r] += s[j][2 * r + x];
+                }
+            }
+        }
+
+        barrier(CLK_LOCAL_MEM_FENCE);
+        ${put_v(bool(edges))}
+        barrier(CLK_LOCAL_MEM_FENCE);
+% if edges:
+        if ((${" || ".join(edges)}) && nonfinite) {
+${tp.pv(kind, st, True, visible)}\
+        } else {
+${tp.pv(kind, st, False, visible)}\
+        }
+% else:
+${tp.pv(kind, st, False, visible)}\
+% endif
+    }
+
+    // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.
+${tp.quad(kind, "sum", "l[0]", "l[1]")}\
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint qi = row0 + g + 8 * r;
+        if (qi < T) {
+            const idx_t row = qbase + (idx_t)qi * qstride;
+            const float inv = 1.0f / l[r];
+            #pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                const float x0 = acc[n][2 * r] * inv, x1 = acc[n][2 * r + 1] * inv;
+% if narrow:
+                *(__global uint *)(o + ${at("o", "row + 8 * n + 2 * t", 2)}) =
+                    (uint)clops_float_to_${st}(x0) | ((uint)clops_float_to_${st}(x1) << 16);
+% else:
+                *(__global float2 *)(o + ${at("o", "row + 8 * n + 2 * t", 2)}) = (float2)(x0, x1);
+% endif
+            }
+            if (t == 0) lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[r] * M_LN2_F + log(l[r]);
+        }
+    }
+}

@@ -1,0 +1,111 @@
+"""Matrix units: which tile products a device's attention forward takes, and the probe that decides.
+
+The matrix-unit attention driver (``attention_fwd_mma.cl.mako``) multiplies through the tile
+products of ``tile_products.cl.mako``: ``"tf32x3"`` (float32 storage: three TF32 products per
+float32 product, float32-level accuracy), ``"bf16"`` and ``"f16"`` (16-bit storage, float32
+accumulation) by NVIDIA's ``mma.sync`` in inline PTX, and ``"fma"``, the portable products.
+
+:func:`forward_product` gives the product the op takes on a device, or None for the portable
+kernel (``attention_fwd.cl.mako``), with the reason. At 16-bit storage NVIDIA devices take the
+matrix units once a probe kernel has built there and given the right bits for all three products
+(one run per device, on a queue of its own, waited for); every other device, or a failed probe,
+keeps the portable kernel. At float32 storage the portable kernel stays the default: measured on
+the H200 it is faster than the tf32x3 products so far. ``CLOPS_MMA=1`` takes the matrix units at
+every storage type (tf32x3 at float32), ``CLOPS_MMA=0`` none; ``CLOPS_MMA=fma`` runs the
+matrix-unit driver with the portable products on any device (how its tests check the driver on
+the CPU runtimes).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import ml_dtypes
+import numpy as np
+import pyopencl as cl
+
+from .program import BuildError, kernels
+
+PRODUCTS = {"float": "tf32x3", "bf16": "bf16", "half": "f16"}  # storage type -> matrix-unit product
+_probed = {}  # device -> (ok, reason)
+_lock = threading.Lock()
+
+
+def _fragments(a, b):
+    """The A (16×k) and B (k×8) operands of one m16n8 tile as the driver's lanes hold them
+    (k = 8: one float each; k = 16: two 16-bit values packed in a word, the lower column first),
+    and the map from the lanes' accumulators to the 16×8 result."""
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    if a.shape[1] == 8:
+        fa = np.stack([a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4]], 1)
+        fb = np.stack([b[t, g], b[t + 4, g]], 1)
+    else:
+        bits = lambda x: x.view(np.uint16).astype(np.uint32)  # noqa: E731
+        pair = lambda lo, hi: bits(lo) | (bits(hi) << 16)  # noqa: E731
+        fa = np.stack([pair(a[g, 2 * t], a[g, 2 * t + 1]), pair(a[g + 8, 2 * t], a[g + 8, 2 * t + 1]),
+                       pair(a[g, 2 * t + 8], a[g, 2 * t + 9]), pair(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9])], 1)
+        fb = np.stack([pair(b[2 * t, g], b[2 * t + 1, g]), pair(b[2 * t + 8, g], b[2 * t + 9, g])], 1)
+    rows = np.stack([g, g, g + 8, g + 8], 1)
+    cols = np.stack([2 * t, 2 * t + 1, 2 * t, 2 * t + 1], 1)
+    return np.ascontiguousarray(fa), np.ascontiguousarray(fb), (rows, cols)
+
+
+def _probe_one(queue, kind):
+    """None if the ``kind`` product builds on ``queue``'s device and gives A·B of a known tile; else why not."""
+    rng = np.random.default_rng(7)
+    k = 8 if kind == "tf32x3" else 16
+    dtype = {"tf32x3": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[kind]
+    a = rng.standard_normal((16, k)).astype(dtype)
+    b = rng.standard_normal((k, 8)).astype(dtype)
+    fa, fb, (rows, cols) = _fragments(a, b)
+    try:
+        knl = kernels(queue, "mma_probe.cl.mako", {"kind": kind}, work_group_size=32)["mma_probe"]
+    except (BuildError, cl.Error) as e:
+        return f"{kind}: the probe kernel does not build ({str(e).splitlines()[0][:120]})"
+    mf = cl.mem_flags
+    ctx = queue.context
+    da = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=fa.view(np.uint32))
+    db = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=fb.view(np.uint32))
+    out = np.zeros((32, 4), np.float32)
+    dd = cl.Buffer(ctx, mf.WRITE_ONLY, out.nbytes)
+    knl(queue, (1,), [da, db, dd])
+    cl.enqueue_copy(queue, out, dd)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    err = np.abs(out - want[rows, cols]).max() / np.abs(want).max()
+    tol = 1e-5  # float32 accumulation of exact products (3xTF32: about 2⁻²¹ of each; one TF32 product: 2⁻¹¹)
+    return None if err <= tol else f"{kind}: the probe's tile is wrong (relative error {err:.2g})"
+
+
+def probe(device, context):
+    """(ok, reason): whether ``device`` runs all three matrix-unit products right (run once per device)."""
+    with _lock:
+        found = _probed.get(device)
+        if found is not None:
+            return found
+        if "NVIDIA" not in device.platform.name.upper():
+            found = (False, "not an NVIDIA device (the matrix-unit products are NVIDIA PTX)")
+        else:
+            queue = cl.CommandQueue(context, device)  # its own queue: the caller's may be gated
+            wrong = [why for why in (_probe_one(queue, kind) for kind in PRODUCTS.values()) if why]
+            found = (False, "probe failed: " + "; ".join(wrong)) if wrong else (True, "NVIDIA, probe passed")
+        _probed[device] = found
+        return found
+
+
+def forward_product(queue, st):
+    """(product or None, reason): the tile product of the attention forward at storage type ``st`` on
+    ``queue``'s device (None: the portable kernel)."""
+    mode = os.environ.get("CLOPS_MMA", "")
+    if mode == "0":
+        return None, "CLOPS_MMA=0"
+    if mode == "fma":
+        return "fma", "CLOPS_MMA=fma (the matrix-unit driver with portable products)"
+    if mode not in ("", "1"):
+        raise ValueError(f"CLOPS_MMA: expected 0, 1 or fma, got {mode!r}")
+    ok, reason = probe(queue.device, queue.context)
+    if not ok:
+        return None, reason
+    if st == "float" and mode != "1":
+        return None, f"{reason}; float32 storage keeps the portable kernel, faster than tf32x3 (CLOPS_MMA=1 takes it)"
+    return PRODUCTS[st], reason

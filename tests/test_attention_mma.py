@@ -1,0 +1,141 @@
+"""The matrix-unit attention forward (attention_fwd_mma.cl.mako) against the float64 reference.
+
+Its driver runs with the portable tile products (``CLOPS_MMA=fma``) on every device, and with the
+matrix-unit products where the probe passes (NVIDIA), at the tolerances of tests/test_attention.py
+(float32 storage: 3xTF32 keeps them) and tests/test_attention_narrow.py (16-bit storage). On
+NVIDIA the other attention tests run the matrix-unit path too: it is the default there.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import clops
+from clops import mma, reference as ref, tuning
+from clops.attn import FWD_MMA
+from helpers import assert_storage_close, to_device
+from test_attention import LSE_TOL, O_TOL
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(params=["fma", "matrix units"])
+def product(request, queue, monkeypatch):
+    """The driver's tile products: the portable ones, or the device's matrix units (where the probe passes)."""
+    if request.param == "fma":
+        monkeypatch.setenv("CLOPS_MMA", "fma")
+    else:
+        monkeypatch.setenv("CLOPS_MMA", "1")  # float32 storage too (tf32x3)
+        ok, why = mma.probe(queue.device, queue.context)
+        if not ok:
+            pytest.skip(f"no matrix units: {why}")
+    return request.param
+
+
+def _check(queue, n, nh, nkv, hd, dtype=np.float32, tiles=None, **kw):
+    q, k, v = (ref.rnd(s, seed).astype(dtype) for s, seed in (((n, nh, hd), 11), ((n, nkv, hd), 12), ((n, nkv, hd), 13)))
+    kw = kw or {"window": n}
+    product = mma.forward_product(queue, clops.args.storage(np.dtype(dtype)))[0]
+    sc = {"hd": hd, "st": clops.args.storage(np.dtype(dtype)), "product": product}
+    tuning.override("attention_fwd_mma", sc, tiles)
+    try:
+        o, lse = clops.attention(queue, *to_device(queue, q, k, v), **kw)
+    finally:
+        tuning.override("attention_fwd_mma", sc, None)
+    want_o, want_lse = ref.attention(q, k, v, **kw)
+    if np.dtype(dtype) == np.float32:
+        assert ref.rel_err(o.get(), want_o) <= O_TOL
+    else:
+        assert_storage_close("o", o, want_o, dtype, O_TOL)
+    assert ref.rel_err(lse.get(), want_lse) <= LSE_TOL
+    return o.get()
+
+
+@pytest.mark.parametrize("hd", [8, 40, 64, 128, 256])
+def test_head_dims(queue, product, hd):
+    _check(queue, 74, 4, 2, hd, window=37)
+
+
+@pytest.mark.parametrize("window", [1, 17, 100])
+def test_windows_one_kv_head(queue, product, window):
+    _check(queue, 2 * window, 4, 1, 64, window=window)
+
+
+@pytest.mark.parametrize("dtype, hd", [(BF16, 64), (BF16, 40), (np.float16, 64)], ids=["bf16-64", "bf16-40", "f16-64"])
+def test_storage_dtypes(queue, product, dtype, hd):
+    _check(queue, 74, 4, 2, hd, dtype, window=37)
+
+
+CU = np.array([0, 0, 1, 40, 40, 100], np.int32)  # empty sequences, one of a single token
+
+
+@pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 5},
+                                {"window": 50, "sliding_window": 7, "causal": False}, {"window": 50, "softcap": 3.0},
+                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}],
+                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "varlen"])
+def test_variants(queue, product, kw):
+    _check(queue, 100, 4, 2, 32, **kw)
+
+
+@pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16}, {"nw": 2, "bk": 32}])
+def test_tiles(queue, product, tiles):
+    _check(queue, 90, 2, 1, 48, tiles=tiles, window=45)
+
+
+@pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
+                         ids=["causal", "sliding-non-causal"])
+def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw):
+    """A NaN of V in a block that crosses the mask reaches only the rows whose mask lets its key in
+    (a matrix product would multiply it by their zero P)."""
+    n, key, col = 80, 37, 5
+    q, k, v = (ref.rnd((n, 1, 16), seed) for seed in (1, 2, 3))
+    v[key, 0, col] = np.nan
+    o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
+    i = np.arange(n)
+    sees = key <= i if kw.get("causal", True) else np.abs(i - key) < kw["sliding_window"]
+    where = np.zeros((n, 1, 16), bool)
+    where[sees, 0, col] = True
+    assert (np.isnan(o.get()) == where).all()
+
+
+def test_path_choice(queue, monkeypatch):
+    monkeypatch.setenv("CLOPS_MMA", "0")
+    assert mma.forward_product(queue, "float") == (None, "CLOPS_MMA=0")
+    monkeypatch.setenv("CLOPS_MMA", "fma")
+    assert mma.forward_product(queue, "bf16")[0] == "fma"
+    monkeypatch.setenv("CLOPS_MMA", "yes")
+    with pytest.raises(ValueError, match="CLOPS_MMA"):
+        mma.forward_product(queue, "float")
+    monkeypatch.delenv("CLOPS_MMA")
+    ok, why = mma.probe(queue.device, queue.context)
+    product, reason = mma.forward_product(queue, "bf16")
+    if "NVIDIA" in queue.device.platform.name.upper():
+        assert ok and product == "bf16", why  # the probe must pass on NVIDIA's driver
+        assert mma.forward_product(queue, "float")[0] is None  # float32 keeps the portable kernel
+        monkeypatch.setenv("CLOPS_MMA", "1")
+        assert mma.forward_product(queue, "float")[0] == "tf32x3"
+    else:
+        assert not ok and product is None and reason == why and "not an NVIDIA device" in why
+
+
+def test_probe_rejects_a_wrong_tile(queue, monkeypatch):
+    """The probe compares against A·B: fragments laid out wrongly are caught."""
+    if not mma.probe(queue.device, queue.context)[0]:
+        pytest.skip("no matrix units here")
+    real = mma._fragments
+    monkeypatch.setattr(mma, "_fragments", lambda a, b: (real(a, b)[0][::-1].copy(), *real(a, b)[1:]))
+    assert "wrong" in mma._probe_one(queue, "bf16")
+
+
+def test_info_names_the_attention_path(capsys):
+    from clops.cli import main
+
+    assert main(["info"]) == 0
+    assert "attention forward at float32:" in capsys.readouterr().out
+
+
+def test_local_memory_spec_fits_every_head_dim(queue):
+    for st in ("float", "bf16"):
+        for hd in (8, 64, 128, 256):
+            for product in ("fma", mma.PRODUCTS[st]):
+                sc = {"hd": hd, "st": st, "product": product}
+                FWD_MMA.check(queue.device, sc, FWD_MMA.heuristic(queue.device, sc))
