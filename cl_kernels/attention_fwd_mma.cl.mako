@@ -7,12 +7,14 @@
 // of BK keys: the group stages K in local memory; each warp scores its rows (S = Q·Kᵀ, an
 // accumulator tile s[BK/8][4]), masks, scales (and caps) in the log2 domain, takes the online
 // softmax (row maxima and sums across the 4 lanes of a quad), then the group stages V in the
-// same local memory and each warp accumulates O += P·V into o[HD/8][4] (the head dim in tiles
-// of 8 columns; V is staged transposed). Rows past the sequence compute on zero Q and are never stored; keys past it
-// are staged as zero and masked. In blocks crossing the mask's edges a key a row does not see
-// has P = 0, which a matrix product still multiplies by V: if the staged V holds a non-finite
-// value there, the block's P·V takes the product's exact masked form instead, so a NaN or Inf
-// of V reaches only the rows that see it.
+// same local memory and each warp accumulates O += P·V into acc[HD/8][4] (the head dim in tiles
+// of 8 columns). K and V reach registers a step before they are staged (K during the previous
+// block's P·V, V during Q·Kᵀ), so global latency hides behind the products. Rows past the
+// sequence compute on zero Q and are never stored; keys past it are staged as zero and masked.
+// In blocks crossing the mask's edges a key a row does not see has P = 0, which a matrix
+// product still multiplies by V: if the staged V holds a non-finite value there, the block's
+// P·V takes the product's exact masked form instead, so a NaN or Inf of V reaches only the
+// rows that see it.
 //
 // Parameters: NW warps per group, BK keys per block (a multiple of 16), HD head dim (a multiple
 // of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16).
@@ -43,55 +45,45 @@
 #define WG (32 * NW)
 #define BK ${bk}
 #define KS (HD + ${per})             // row stride (elements) of staged K, padded against bank conflicts
-#define VTS (BK + ${per})            // column stride of staged (transposed) V
 #define PER ${per}
-#define STAGE (BK * KS > HD * VTS ? BK * KS : HD * VTS)
+#define KN ((BK * (HD / PER) + WG - 1) / WG)  // 16-byte vectors each work-item fetches per block
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
 ${tp.decls(kind, st)}\
-${tp.vpos(kind)}\
 
-## Stage rows k0 .. k0 + BK - 1 of K into stage (ks[key * KS + d]); rows past T are zero.
-<%def name="put_k()">
-        for (uint e = lid; e < BK * (HD / PER); e += WG) {
-            const uint r = e / (HD / PER), cv = e % (HD / PER);
-            ${ev} x = (${ev})(0);
-            if (k0 + r < T) x = *(__global const ${ev} *)(k + ${at("k", "kbase + (idx_t)(k0 + r) * kstride + cv * PER", per)});
-            *(__local ${ev} *)(stage + r * KS + cv * PER) = x;
+## Fetch rows r0 .. r0 + BK - 1 of src (K or V of the kv head) into registers x[KN] (16 bytes a
+## vector; rows past T read as zero), one step before they are staged.
+<%def name="fetch(x, src, r0)">
+        #pragma unroll
+        for (int u = 0; u < KN; ++u) {
+            const uint e = lid + u * WG, r = e / (HD / PER), cv = e % (HD / PER);
+            ${x}[u] = (${ev})(0);
+            if (e < BK * (HD / PER) && ${r0} + r < T)
+                ${x}[u] = *(__global const ${ev} *)(${src} + ${at(src, "kbase + (idx_t)(%s + r) * kstride + cv * PER" % r0, per)});
         }
 </%def>
 
-## Stage rows k0 .. k0 + BK - 1 of V transposed (vt[col * VTS + VPOS(key)]), two keys a work-item
-## so that each store is one word or two floats; rows past T are zero. `check`: set nonfinite
-## when a staged value is NaN or ±Inf.
-<%def name="put_v(check)">
-        for (uint e = lid; e < (BK / 2) * (HD / PER); e += WG) {
-            const uint r = 2 * (e % (BK / 2)), cv = e / (BK / 2);
-            const idx_t at0 = kbase + (idx_t)(k0 + r) * kstride + cv * PER;
-            ${ev} x0 = (${ev})(0), x1 = (${ev})(0);
-            if (k0 + r < T) x0 = *(__global const ${ev} *)(v + ${at("v", "at0", per)});
-            if (k0 + r + 1 < T) x1 = *(__global const ${ev} *)(v + ${at("v", "at0 + kstride", per)});
-% if narrow:
-% for i in range(8):
-            *(__local uint *)(stage + (cv * 8 + ${i}) * VTS + VPOS(r)) = ${"(x0.s%d & 0xffffu) | (x1.s%d << 16)" % (i // 2, i // 2) if i % 2 == 0 else "(x0.s%d >> 16) | (x1.s%d & 0xffff0000u)" % (i // 2, i // 2)};
-% endfor
-% else:
-% for i in range(4):
-            *(__local float2 *)(stage + (cv * 4 + ${i}) * VTS + r) = (float2)(x0.s${i}, x1.s${i});
-% endfor
-% endif
+## Stage the fetched x[KN] in stage[key * KS + d]; `check`: set nonfinite when a value is NaN or ±Inf.
+<%def name="put(x, check)">
+        #pragma unroll
+        for (int u = 0; u < KN; ++u) {
+            const uint e = lid + u * WG;
+            if (e < BK * (HD / PER)) {
+                *(__local ${ev} *)(stage + e / (HD / PER) * KS + e % (HD / PER) * PER) = ${x}[u];
 % if check:
-% if narrow:
-            const uint4 e0 = x0 & (uint4)(${"0x7f807f80u" if st == "bf16" else "0x7c007c00u"}), e1 = x1 & (uint4)(${"0x7f807f80u" if st == "bf16" else "0x7c007c00u"});
-            const uint inf = ${"0x7f80u" if st == "bf16" else "0x7c00u"};
-            if (any((e0 & 0xffffu) == inf) || any((e0 >> 16) == inf) || any((e1 & 0xffffu) == inf) || any((e1 >> 16) == inf))
-                nonfinite = 1;
-% else:
-            if (any(isinf(x0)) || any(isnan(x0)) || any(isinf(x1)) || any(isnan(x1))) nonfinite = 1;
+                ${nonfinite(x + "[u]")}
 % endif
-% endif
+            }
         }
+</%def>
+<%def name="nonfinite(x)">
+% if narrow:
+<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
+            if (any((${x} & ${mask}) == ${mask}) || any(((${x} >> 16) & ${mask}) == ${mask})) nonfinite = 1;
+% else:
+            if (any(isinf(${x})) || any(isnan(${x}))) nonfinite = 1;
+% endif
 </%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -100,8 +92,8 @@ void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restr
                    __global const int *restrict cu,""" if varlen else ""}
                    const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
 {
-    __local ${et} stage[STAGE] __attribute__((aligned(16)));  // K, then V, of the key block
-    __local const ${et} *ks = stage, *vt = stage;
+    __local ${et} stage[BK * KS] __attribute__((aligned(16)));  // K, then V, of the key block
+    __local const ${et} *ks = stage, *vs = stage;
     __local int nonfinite;
 ${tp.locals(kind)}\
 
@@ -133,12 +125,16 @@ ${tp.locals(kind)}\
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
 ${tp.load_q(kind, st)}\
 
+    // Each block's K is fetched during the previous block's P·V, its V during its own Q·Kᵀ.
+    ${ev} kr[KN], vr[KN];
+    ${fetch("kr", "k", "%s * BK" % kb_first if kb_first != "0" else "0")}
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
         barrier(CLK_LOCAL_MEM_FENCE);
-        ${put_k()}
+        ${put("kr", False)}
         if (lid == 0) nonfinite = 0;
         barrier(CLK_LOCAL_MEM_FENCE);
+        ${fetch("vr", "v", "k0")}
 
         float s[BK / 8][4];
         #pragma unroll
@@ -188,8 +184,11 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
         }
 
         barrier(CLK_LOCAL_MEM_FENCE);
-        ${put_v(bool(edges))}
+        ${put("vr", bool(edges))}
         barrier(CLK_LOCAL_MEM_FENCE);
+        if (kb + 1 < nkb) {
+            ${fetch("kr", "k", "k0 + BK")}
+        }
 % if edges:
         if ((${" || ".join(edges)}) && nonfinite) {
 ${tp.pv(kind, st, True, visible)}\

@@ -14,7 +14,7 @@
 ##                  error stays near float32's; float storage;
 ##   kind "bf16"/"f16"  mma.sync m16n8k16 on the stored 16-bit bits, float32 accumulation; P
 ##                  rounded to the storage type (nearest even) only as an operand.
-## Local tiles: K as stored (float, or ushort bits), KS elements a key; V transposed, VTS a column.
+## Local tiles: K and V as stored (float, or ushort bits), KS elements a key.
 <%!
     def widen(st, x):
         """A stored element as float."""
@@ -196,18 +196,7 @@ inline uint pack2(float lo, float hi)
 % endif
 </%def>
 
-## Where key `key` of a block sits in a column of the transposed V (vt[col * VTS + VPOS(key)]): the
-## 16-bit matrix-unit products keep the keys 2t, 2t + 1, 2t + 8, 2t + 9 of each 16 side by side,
-## the B words of one lane (one 64-bit load); every other product keeps the keys in order.
-<%def name="vpos(kind)">\
-% if kind in ("bf16", "f16"):
-#define VPOS(key) (((key) & ~15u) | (((key) & 6u) << 1) | (((key) >> 2) & 2u) | ((key) & 1u))
-% else:
-#define VPOS(key) (key)
-% endif
-</%def>
-
-## acc[HD/8][4] += P·V, P = s[BK/8][4] (accumulator layout), V staged transposed in vt.
+## acc[HD/8][4] += P·V, P = s[BK/8][4] (accumulator layout), V staged in vs[key * KS + col].
 ## `masked`: the exact form for blocks whose masked keys may hold a non-finite V: a key a row
 ## does not see (visible(row, key) false) is skipped, not multiplied by its zero P.
 <%def name="pv(kind, st, masked, visible)">\
@@ -228,7 +217,7 @@ inline uint pack2(float lo, float hi)
                 const float pk = pl[rl * BK + key];
                 #pragma unroll
                 for (int n = 0; n < HD / 8; ++n)
-                    acc[n][e] = fma(pk, ${widen(st, "vt[(8 * n + 2 * t + (e & 1)) * VTS + VPOS(key)]")}, acc[n][e]);
+                    acc[n][e] = fma(pk, ${widen(st, "vs[key * KS + 8 * n + 2 * t + (e & 1)]")}, acc[n][e]);
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -245,7 +234,7 @@ inline uint pack2(float lo, float hi)
                     for (int n = 0; n < HD / 8; ++n) {
                         #pragma unroll
                         for (int c = 0; c < 2; ++c) {
-                            const float vv = ${widen(st, "vt[(8 * n + 2 * t + c) * VTS + VPOS(key)]")};
+                            const float vv = ${widen(st, "vs[key * KS + 8 * n + 2 * t + c]")};
                             if (seen) acc[n][c] = fma(pg, vv, acc[n][c]);
                             if (seen8) acc[n][2 + c] = fma(pg8, vv, acc[n][2 + c]);
                         }
@@ -265,7 +254,7 @@ inline uint pack2(float lo, float hi)
             split(s[j][3], &ah[3], &al[3]);
             #pragma unroll
             for (int n = 0; n < HD / 8; ++n) {
-                const float2 b = *(const __local float2 *)(vt + (8 * n + g) * VTS + 8 * j + 2 * t);
+                const float2 b = (float2)(vs[(8 * j + 2 * t) * KS + 8 * n + g], vs[(8 * j + 2 * t + 1) * KS + 8 * n + g]);
                 uint bh[2], bl[2];
                 split(b.x, &bh[0], &bl[0]);
                 split(b.y, &bh[1], &bl[1]);
@@ -281,7 +270,8 @@ inline uint pack2(float lo, float hi)
             const uint a2 = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), a3 = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
             #pragma unroll
             for (int n = 0; n < HD / 8; ++n) {
-                const uint2 b = *(const __local uint2 *)(vt + (8 * n + g) * VTS + 16 * kk + 4 * t);
+                const __local ushort *c = vs + (16 * kk + 2 * t) * KS + 8 * n + g;
+                const uint2 b = (uint2)((uint)c[0] | ((uint)c[KS] << 16), (uint)c[8 * KS] | ((uint)c[9 * KS] << 16));
                 mma16(acc[n], a0, a1, a2, a3, b.x, b.y);
             }
         }

@@ -69,7 +69,7 @@ def _probe_one(queue, kind):
     db = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=fb.view(np.uint32))
     out = np.zeros((32, 4), np.float32)
     dd = cl.Buffer(ctx, mf.WRITE_ONLY, out.nbytes)
-    knl(queue, (1,), [da, db, dd])
+    knl.knl(queue, (32,), (32,), da, db, dd)  # not an op's launch: no profiler sees it
     cl.enqueue_copy(queue, out, dd)
     want = a.astype(np.float64) @ b.astype(np.float64)
     err = np.abs(out - want[rows, cols]).max() / np.abs(want).max()
@@ -103,9 +103,7 @@ def forward_product(queue, st):
         return "fma", "CLOPS_MMA=fma (the matrix-unit driver with portable products)"
     if mode not in ("", "1"):
         raise ValueError(f"CLOPS_MMA: expected 0, 1 or fma, got {mode!r}")
-    ok, reason = probe(queue.device, queue.context)
-    if not ok:
-        return None, reason
     if st == "float" and mode != "1":
-        return None, f"{reason}; float32 storage keeps the portable kernel, faster than tf32x3 (CLOPS_MMA=1 takes it)"
-    return PRODUCTS[st], reason
+        return None, "float32 storage keeps the portable kernel, faster than tf32x3 on the H200 (CLOPS_MMA=1 takes it)"
+    ok, reason = probe(queue.device, queue.context)
+    return (PRODUCTS[st], reason) if ok else (None, reason)
