@@ -25,7 +25,13 @@
 // argument), WG work-items per group, VW vector width (divides HD), UPG units
 // per step, CH vectors per work-item per unit, RB units per backward group,
 // IDX the index type, ST / WST the storage types above.
-<%page args="hd, half, wg, vw, upg, ch, rb, idx, st, wst"/>
+<%page args="hd, half, wg, vw, upg, ch, rb, idx, st, wst, varlen=0"/>
+## varlen (a render flag, with HALF only; 0 renders the kernels above as they
+## were): the kernels take cu, nseq + 1 int offsets of the sequences, after rope
+## and nseq in place of window; unit u's position is the offset of its row in
+## its sequence, cu[s] ≤ row < cu[s + 1], s found by a binary search over cu
+## (the last sequence starting at or before the row, so empty ones are passed
+## over). Nothing is read back to the host for it.
 <%namespace name="common" file="common.cl.mako"/>
 <% tpu = wg // upg %>
 ${common.guards()}\
@@ -50,7 +56,7 @@ def lane(vw, v, l):
 def lanes_sum(vw, v):
     return " + ".join(lane(vw, v, l) for l in range(vw))
 %>
-<%def name="rope_arg()">${"__global const float2 *restrict rope, " if half else ""}</%def>
+<%def name="rope_arg()">${"__global const float2 *restrict rope, " if half else ""}${"__global const int *restrict cu, " if varlen else ""}</%def>
 
 ## The work-item's place: segment (unit slot) and index in it, the segment's
 ## slices of the reduction scratch and of buf.
@@ -75,7 +81,24 @@ def lanes_sum(vw, v):
     barrier(CLK_LOCAL_MEM_FENCE);
     {
         __local const float *b = (__local const float *)seg_buf;
+% if varlen:
+        // Units past the end (!ok) have no sequence: position 0 keeps their reads in the table.
+        uint pos = 0;
+        if (ok) {
+            const int row = (int)(unit / heads);
+            uint lo = 0, hi = nseq;  // cu[lo] ≤ row < cu[hi]
+            while (hi - lo > 1) {
+                const uint mid = (lo + hi) / 2;
+                if (cu[${at("cu", "mid")}] <= row)
+                    lo = mid;
+                else
+                    hi = mid;
+            }
+            pos = (uint)(row - cu[${at("cu", "lo")}]);
+        }
+% else:
         const uint pos = (uint)((unit / heads) % window);
+% endif
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPU;
             if (j < HV && j * VW < 2 * HALF) {
@@ -100,8 +123,8 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void qk_norm_rope_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict inv_out,
                       __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
                       ${rope_arg()}const idx_t units, const uint heads,
-                      const uint window, const float eps,
-                      const float w_offset${checked_args("y", "inv_out", "x", "w", *(["rope"] if half else []))})
+                      const uint ${"nseq" if varlen else "window"}, const float eps,
+                      const float w_offset${checked_args("y", "inv_out", "x", "w", *(["rope"] if half else []), *(["cu"] if varlen else []))})
 {
     ${setup()}
     const idx_t unit = (idx_t)get_group_id(0) * UPG + seg;
@@ -142,8 +165,8 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void qk_norm_rope_bwd(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict partial,
                       __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
                       __global const float *restrict inv, ${rope_arg()}
-                      __global const ${vptr(st, vw)} *restrict dy, const idx_t units, const uint heads, const uint window,
-                      const float w_offset${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), "dy")})
+                      __global const ${vptr(st, vw)} *restrict dy, const idx_t units, const uint heads, const uint ${"nseq" if varlen else "window"},
+                      const float w_offset${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), *(["cu"] if varlen else []), "dy")})
 {
     ${setup()}
     vec we[CH], acc[CH];

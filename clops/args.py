@@ -173,6 +173,53 @@ def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
     return dev
 
 
+def check_sequences(queue, n, window, cu_seqlens, max_seqlen, tokens="q"):
+    """(sequences, their longest length T, cu_seqlens or None) of the ``n`` tokens of argument ``tokens``:
+    ``window`` equal windows, or the sequences of ``cu_seqlens`` (a numpy array, checked here, or a
+    device array, with max_seqlen)."""
+    if (window is None) == (cu_seqlens is None):
+        raise ValueError("window: give exactly one of window and cu_seqlens")
+    if window is not None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen: only with cu_seqlens")
+        window = positive_int("window", window)
+        if n % window:
+            raise ValueError(f"window: {window} does not divide the {n} tokens of {tokens}")
+        return n // window, window, None
+    if isinstance(cu_seqlens, np.ndarray):
+        if cu_seqlens.dtype != np.int32:
+            raise TypeError(f"cu_seqlens: dtype must be int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.ndim != 1 or cu_seqlens.size < 2:
+            raise ValueError(f"cu_seqlens: expected nseq + 1 ≥ 2 offsets in one dimension, got shape {cu_seqlens.shape}")
+        if cu_seqlens[0] != 0 or cu_seqlens[-1] != n:
+            raise ValueError(f"cu_seqlens: must run from 0 to the {n} tokens of {tokens}, got "
+                             f"{cu_seqlens[0]} … {cu_seqlens[-1]}")
+        lengths = np.diff(cu_seqlens)
+        if (lengths < 0).any():
+            i = int(np.flatnonzero(lengths < 0)[0])
+            raise ValueError(f"cu_seqlens: offsets must not decrease, got {cu_seqlens[i]} then {cu_seqlens[i + 1]}")
+        longest = int(lengths.max())
+        if max_seqlen is not None and positive_int("max_seqlen", max_seqlen) < longest:
+            raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence of cu_seqlens ({longest})")
+        return cu_seqlens.size - 1, longest if max_seqlen is None else int(max_seqlen), cu_seqlens
+    check_array("cu_seqlens", cu_seqlens, queue, ndim=1, dtype=I32)
+    if cu_seqlens.size < 2:
+        raise ValueError(f"cu_seqlens: expected nseq + 1 ≥ 2 offsets, got shape {cu_seqlens.shape}")
+    if max_seqlen is None:
+        raise ValueError("max_seqlen: required with a device cu_seqlens (its values are not read back)")
+    max_seqlen = positive_int("max_seqlen", max_seqlen)
+    if max_seqlen > n:
+        raise ValueError(f"max_seqlen: {max_seqlen} is above the {n} tokens of {tokens}")
+    return cu_seqlens.size - 1, max_seqlen, cu_seqlens
+
+
+def upload_sequences(queue, cu, n, allocator):
+    """``cu`` of :func:`check_sequences` on the device (a numpy one copied without waiting), or None."""
+    if cu is None or isinstance(cu, cla.Array):
+        return cu
+    return index_array("cu_seqlens", cu, queue, cu.shape, below=n + 1, allocator=allocator)
+
+
 def outputs(queue, allocator, given, inputs, in_place=(), dtype=F32):
     """An op's outputs, in order: ``given`` is ((name, array or None, shape[, dtype]), ...), of
     ``dtype`` unless the entry says; the arrays given are checked (type, dtype, shape, no overlap

@@ -46,10 +46,9 @@ import os
 
 import numpy as np
 import pyopencl as cl
-import pyopencl.array as cla
 
-from .args import (F32, FLOAT32_MAX, FLOATS, I32, check_array, check_queue, events, finite_float, flag, hold,
-                   index_array, index_type, outputs, positive_int, scratch, storage, wrote)
+from .args import (F32, FLOAT32_MAX, FLOATS, check_array, check_queue, check_sequences, events, finite_float, flag,
+                   hold, index_type, outputs, positive_int, scratch, storage, upload_sequences, wrote)
 from . import mma
 from .program import LimitError
 from .spec import Spec
@@ -86,45 +85,6 @@ def _check_geometry(queue, q, k, v):
     if hd % 8 or hd > MAX_HD:
         raise ValueError(f"q: head dim {hd} unsupported (multiples of 8 from 8 to {MAX_HD})")
     return n, nh, nkv, hd
-
-
-def _check_sequences(queue, n, window, cu_seqlens, max_seqlen):
-    """(sequences, their longest length T, cu_seqlens or None): ``window`` equal windows, or the
-    sequences of ``cu_seqlens`` (a numpy array, checked here, or a device array, with max_seqlen)."""
-    if (window is None) == (cu_seqlens is None):
-        raise ValueError("window: give exactly one of window and cu_seqlens")
-    if window is not None:
-        if max_seqlen is not None:
-            raise ValueError("max_seqlen: only with cu_seqlens")
-        window = positive_int("window", window)
-        if n % window:
-            raise ValueError(f"window: {window} does not divide the {n} tokens of q")
-        return n // window, window, None
-    if isinstance(cu_seqlens, np.ndarray):
-        if cu_seqlens.dtype != np.int32:
-            raise TypeError(f"cu_seqlens: dtype must be int32, got {cu_seqlens.dtype}")
-        if cu_seqlens.ndim != 1 or cu_seqlens.size < 2:
-            raise ValueError(f"cu_seqlens: expected nseq + 1 ≥ 2 offsets in one dimension, got shape {cu_seqlens.shape}")
-        if cu_seqlens[0] != 0 or cu_seqlens[-1] != n:
-            raise ValueError(f"cu_seqlens: must run from 0 to the {n} tokens of q, got "
-                             f"{cu_seqlens[0]} … {cu_seqlens[-1]}")
-        lengths = np.diff(cu_seqlens)
-        if (lengths < 0).any():
-            i = int(np.flatnonzero(lengths < 0)[0])
-            raise ValueError(f"cu_seqlens: offsets must not decrease, got {cu_seqlens[i]} then {cu_seqlens[i + 1]}")
-        longest = int(lengths.max())
-        if max_seqlen is not None and positive_int("max_seqlen", max_seqlen) < longest:
-            raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence of cu_seqlens ({longest})")
-        return cu_seqlens.size - 1, longest if max_seqlen is None else int(max_seqlen), cu_seqlens
-    check_array("cu_seqlens", cu_seqlens, queue, ndim=1, dtype=I32)
-    if cu_seqlens.size < 2:
-        raise ValueError(f"cu_seqlens: expected nseq + 1 ≥ 2 offsets, got shape {cu_seqlens.shape}")
-    if max_seqlen is None:
-        raise ValueError("max_seqlen: required with a device cu_seqlens (its values are not read back)")
-    max_seqlen = positive_int("max_seqlen", max_seqlen)
-    if max_seqlen > n:
-        raise ValueError(f"max_seqlen: {max_seqlen} is above the {n} tokens of q")
-    return cu_seqlens.size - 1, max_seqlen, cu_seqlens
 
 
 def _scale(scale, hd):
@@ -178,7 +138,7 @@ class _Call:
 
 def _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale):
     n, nh, nkv, hd = _check_geometry(queue, q, k, v)
-    nseq, T, cu = _check_sequences(queue, n, window, cu_seqlens, max_seqlen)
+    nseq, T, cu = check_sequences(queue, n, window, cu_seqlens, max_seqlen)
     causal = flag("causal", causal)
     W = 0 if sliding_window is None else positive_int("sliding_window", sliding_window)
     if W >= T:  # a window that covers every sequence masks nothing
@@ -192,13 +152,6 @@ def _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_
         if abs(scale) / cap > FLOAT32_MAX or cap * LOG2E > FLOAT32_MAX:
             raise ValueError(f"softcap: scale/softcap and softcap·log2(e) must be finite in float32, got {cap:.4g}")
     return _Call(n, nh, nkv, hd, nseq, T, cu, causal, W, cap, scale, storage(q.dtype))
-
-
-def _upload(queue, call, allocator):
-    """cu_seqlens on the device (a numpy one copied without waiting), or None for equal windows."""
-    if call.cu is None or isinstance(call.cu, cla.Array):
-        return call.cu
-    return index_array("cu_seqlens", call.cu, queue, call.cu.shape, below=call.n + 1, allocator=allocator)
 
 
 def fwd_heuristic(dev, sc):
@@ -322,7 +275,7 @@ def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, 
                        [("q", q), ("k", k), ("v", v)], dtype=q.dtype)
     # CLOPS_MMA is read per call (a dict lookup): the path may change between calls in one process.
     knl, groups, scalars = FWD.plan(queue, (*call.key(), os.environ.get("CLOPS_MMA")), _fwd_plan, call)
-    cu = _upload(queue, call, allocator)
+    cu = upload_sequences(queue, call.cu, call.n, allocator)
     args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data] + ([cu.base_data] if cu is not None else [])
     evt = knl(queue, groups, args + scalars, wait_for=events(wait_for, q, k, v, out, lse, cu))
     hold([evt], q, k, v, out, lse, cu)
@@ -586,7 +539,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
                          [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)], dtype=q.dtype)
     plan = BWD["dkv"].plan(queue, (*call.key(), store_ds), _bwd_plan, call, store_ds, floats)
-    cu = _upload(queue, call, allocator)
+    cu = upload_sequences(queue, call.cu, call.n, allocator)
     seqs = [cu.base_data] if cu is not None else []
     dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
     stored = [scratch(queue, floats, allocator)] if store_ds else []  # dS

@@ -3,13 +3,19 @@
 ``x`` is ``[n, heads, hd]`` (or ``[n, heads·hd]``, ``hd = len(w)``); each (row, head) unit is
 RMS-normalised over ``hd`` with gain ``w`` (gemma style ``1 + w`` by default), then its first
 ``2·half`` dims are rotated with half-split pairing ``(i, i + half)`` by the angle of position
-``row mod window``; the other dims pass through. ``hd``: a multiple of 4 up to 512.
+``row mod window``, or with ``cu_seqlens`` the row's offset in its sequence; the other dims pass
+through. ``hd``: a multiple of 4 up to 512.
 
 The rotation table ``rope`` is a device array ``[table, half, 2]`` (cos, sin), e.g.
 ``cla.to_device(queue, rope_table(window, half, theta=...))``; ``window`` defaults to its
-length and may be given shorter (a table too short for ``window`` is an error). No rotation
+length and may be given shorter (a table too short for ``window`` is an error). At most one of
+``window`` and ``cu_seqlens``, attention's sequences (:func:`clops.attention`: int32 offsets from
+0 to n, a numpy array, checked and copied without waiting, or a device array with ``max_seqlen``);
+the table must then hold the longest sequence (``max_seqlen`` when given), and each row's sequence
+is found on the device by a binary search over the offsets (nothing is read back). No rotation
 (``half = 0``): pass ``rope=None`` or the empty ``[table, 0, 2]`` array (pyopencl holds
-such arrays without a buffer); ``window`` is then ignored. Outputs must not overlap inputs.
+such arrays without a buffer); ``window`` and the sequences are then not used (the sequences are
+still checked). Outputs must not overlap inputs.
 
 Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, float16 or
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
@@ -28,8 +34,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl.array as cla
 
-from .args import (F32, FLOATS, check_array, check_queue, events, hold, index_scalar, index_type, outputs,
-                   positive_int, scratch, storage, wrote)
+from .args import (F32, FLOATS, check_array, check_queue, check_sequences, events, hold, index_scalar, index_type,
+                   outputs, positive_int, scratch, storage, upload_sequences, wrote)
 from .norm import VECTOR_WIDTHS, check_eps, column_sum, gain_offset, pow2_ceil, vector_width
 from .spec import Spec
 
@@ -90,81 +96,98 @@ def _geometry(queue, x, w):
     return n, heads, hd
 
 
-def _rope(queue, rope, hd, window):
-    """(half, window, rope or None) checked against head dim ``hd``."""
+def _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen):
+    """(half, window or the number of sequences, cu_seqlens (numpy or device) or None, rope or None) of
+    ``n`` rows, checked against head dim ``hd``."""
+    cu = None
+    if cu_seqlens is not None:  # attention's checks (and exactly one of window and cu_seqlens)
+        nseq, longest, cu = check_sequences(queue, n, window, cu_seqlens, max_seqlen, tokens="x")
+    elif max_seqlen is not None:
+        raise ValueError("max_seqlen: only with cu_seqlens")
     if rope is None:
-        return 0, 1, None
+        return 0, 1, None, None
     if isinstance(rope, cla.Array) and rope.size == 0:
         if rope.dtype != np.float32:
             raise TypeError(f"rope: dtype must be float32, got {rope.dtype}")
         if rope.ndim != 3 or rope.shape[1:] != (0, 2):
             raise ValueError(f"rope: expected shape [table, half, 2], got {rope.shape}")
-        return 0, 1, None
+        return 0, 1, None, None
     check_array("rope", rope, queue, ndim=3)
     table, half, two = rope.shape
     if two != 2:
         raise ValueError(f"rope: expected shape [table, half, 2] (cos, sin), got {rope.shape}")
     if 2 * half > hd:
         raise ValueError(f"rope: half {half} exceeds hd/2 = {hd // 2}")
+    if cu is not None:
+        if longest > table:
+            raise ValueError(f"rope: the table has {table} positions, too short for the longest sequence "
+                             f"({'max_seqlen ' if max_seqlen is not None else ''}{longest})")
+        return half, nseq, cu, rope
     window = table if window is None else positive_int("window", window)
     if window > table:
         raise ValueError(f"rope: the table has {table} positions, too short for window {window}")
-    return half, window, rope
+    return half, window, None, rope
 
 
-def _kernel(queue, name, units, hd, half, st="float", wst="float"):
+def _kernel(queue, name, units, hd, half, st="float", wst="float", varlen=0):
     """(params, kernel, units as its index type): one memo lookup when warm."""
-    return SPEC.plan(queue, (name, units, hd, half, st, wst), _plan, name, units, hd, half, st, wst)
+    return SPEC.plan(queue, (name, units, hd, half, st, wst, varlen), _plan, name, units, hd, half, st, wst, varlen)
 
 
-def _plan(queue, name, units, hd, half, st, wst):
+def _plan(queue, name, units, hd, half, st, wst, varlen):
     sc = {"hd": hd}
     p = SPEC.params(queue.device, sc)
     idx = index_type(units * hd + p["rb"] * hd)
-    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst)
+    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst, varlen=varlen)
     return p, knl[name], index_scalar(idx)(units)
 
 
-def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, out=None, inv=None, wait_for=None,
-                 allocator=None):
+def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seqlens=None, max_seqlen=None, out=None,
+                 inv=None, wait_for=None, allocator=None):
     """``(y, inv)``: per-head RMSNorm of ``x`` then RoPE; ``inv [n, heads]`` = 1/rms per unit."""
     check_queue(queue)
     eps = check_eps(eps)
     n, heads, hd = _geometry(queue, x, w)
-    half, window, rope = _rope(queue, rope, hd, window)
+    half, window, cu, rope = _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen)
     y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads), F32)],
                      [("x", x), ("w", w), ("rope", rope)], dtype=x.dtype)
-    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype))
+    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype),
+                            int(cu is not None))
+    cu = upload_sequences(queue, cu, n, allocator)
     args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
-    args += [units, np.uint32(heads), np.uint32(window), eps, gain_offset(gemma)]
-    evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope))
-    hold([evt], y, inv, x, w, rope)
+    args += ([cu.base_data] if cu is not None else []) + [units, np.uint32(heads), np.uint32(window), eps,
+                                                          gain_offset(gemma)]
+    evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope, cu))
+    hold([evt], y, inv, x, w, rope, cu)
     return wrote([evt], y, inv)
 
 
-def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, dx=None, dw=None, wait_for=None,
-                     allocator=None):
+def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, cu_seqlens=None, max_seqlen=None,
+                     dx=None, dw=None, wait_for=None, allocator=None):
     """``(dx, dw)``: the inverse rotation of ``dy``, then the RMSNorm backward.
 
     ``dx`` is written; ``dw [hd]`` (``w``'s dtype) is summed over rows and heads, written, or added into a
-    given ``dw``.
+    given ``dw``. ``window`` / ``cu_seqlens`` / ``max_seqlen``: those of the forward.
     """
     check_queue(queue)
     n, heads, hd = _geometry(queue, x, w)
-    half, window, rope = _rope(queue, rope, hd, window)
+    half, window, cu, rope = _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen)
     check_array("inv", inv, queue, shape=(n, heads))
     check_array("dy", dy, queue, shape=x.shape, dtype=x.dtype, like="x")
     accumulate = dw is not None
     dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,), w.dtype)],
                      [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)], dtype=x.dtype)
-    p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype))
+    p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype),
+                            int(cu is not None))
+    cu = upload_sequences(queue, cu, n, allocator)
     blocks = -(-int(units) // p["rb"])
     partial = scratch(queue, blocks * hd, allocator)  # per-block column sums
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
-    args += [dy.base_data, units, np.uint32(heads), np.uint32(window), gain_offset(gemma)]
-    evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, dy))
+    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, units, np.uint32(heads), np.uint32(window),
+                                                          gain_offset(gemma)]
+    evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, cu, dy))
     done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt], allocator=allocator)
-    hold([done], partial, dx, dw, x, w, inv, rope, dy)
+    hold([done], partial, dx, dw, x, w, inv, rope, cu, dy)
     wrote([evt], dx)
     wrote([evt, done], dw)  # both stages' events: the profile of dw covers its two kernels
     return dx, dw

@@ -126,13 +126,18 @@ def rope_table(window, rotary_half, *, theta=1e7):
     return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
 
 
-def _rotate(y, rope, window, inverse):
-    """Half-split rotation of the first 2·half dims of y [n, heads, hd] by position = row mod window."""
+def _rotate(y, rope, cu_seqlens, inverse):
+    """Half-split rotation of the first 2·half dims of y [n, heads, hd] by position: row mod len(rope), or
+    the row's offset in its sequence of ``cu_seqlens``."""
     half = rope.shape[1]
     if half == 0:
         return y
     rope = np.asarray(rope, dtype=np.float64)
-    pos = np.arange(y.shape[0]) % window
+    n = y.shape[0]
+    if cu_seqlens is None:
+        pos = np.arange(n) % len(rope)
+    else:
+        pos = np.concatenate([np.arange(b - a) for a, b in _sequences(n, None, cu_seqlens)])
     cos, sin = rope[pos, :, 0][:, None, :], rope[pos, :, 1][:, None, :]
     if inverse:
         sin = -sin
@@ -143,15 +148,16 @@ def _rotate(y, rope, window, inverse):
     return y
 
 
-def qk_norm_rope(x, w, rope, *, eps=1e-6, gemma=True):
-    """(y, inv) for x [n, heads, hd]: per-head RMSNorm, then RoPE; the window is len(rope)."""
+def qk_norm_rope(x, w, rope, *, eps=1e-6, gemma=True, cu_seqlens=None):
+    """(y, inv) for x [n, heads, hd]: per-head RMSNorm, then RoPE; the window is len(rope), or positions
+    restart at each sequence of ``cu_seqlens``."""
     y, inv = rms_norm(x, w, eps=eps, gemma=gemma)
-    return _rotate(y, rope, len(rope), inverse=False), inv
+    return _rotate(y, rope, cu_seqlens, inverse=False), inv
 
 
-def qk_norm_rope_bwd(x, w, inv, rope, dy, *, gemma=True):
+def qk_norm_rope_bwd(x, w, inv, rope, dy, *, gemma=True, cu_seqlens=None):
     """(dx, dw): the inverse rotation of dy, then the RMSNorm backward; dw summed over rows and heads."""
-    g = _rotate(np.asarray(dy, dtype=np.float64), rope, len(rope), inverse=True)
+    g = _rotate(np.asarray(dy, dtype=np.float64), rope, cu_seqlens, inverse=True)
     return rms_norm_bwd(x, w, inv, g, gemma=gemma), rms_norm_dw(x, inv, g)
 
 

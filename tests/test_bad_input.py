@@ -209,6 +209,18 @@ SPECIFIC = [
       for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
     *[(op, "window longer than the table", "rope", ValueError, _qk(QD, window=QW + 1))
       for op in ("qk_norm_rope", "qk_norm_rope_bwd")],
+    *[(op, what, named, exc, make) for op in ("qk_norm_rope", "qk_norm_rope_bwd") for what, named, exc, make in [
+        ("both window and cu_seqlens", "window", ValueError, _scalar(window=QW, cu_seqlens=_cu(0, 2, QN))),
+        ("cu_seqlens decreasing", "cu_seqlens", ValueError, _scalar(cu_seqlens=_cu(0, 2, 1, QN))),
+        ("cu_seqlens past n", "cu_seqlens", ValueError, _scalar(cu_seqlens=_cu(0, 2, QN + 1))),
+        ("cu_seqlens int64", "cu_seqlens", TypeError, _scalar(cu_seqlens=np.array([0, 2, QN], np.int64))),
+        ("device cu_seqlens without max_seqlen", "max_seqlen", ValueError,
+         lambda queue: {"cu_seqlens": cla.to_device(queue, _cu(0, 2, QN))}),
+        ("max_seqlen without cu_seqlens", "max_seqlen", ValueError, _scalar(max_seqlen=QW)),
+        ("a sequence longer than the table", "rope", ValueError, _scalar(cu_seqlens=_cu(0, 1, QN))),
+        ("max_seqlen longer than the table", "rope", ValueError,
+         lambda queue: {"cu_seqlens": cla.to_device(queue, _cu(0, 2, QN)), "max_seqlen": QW + 1}),
+    ]],
     ("qk_norm_rope", "eps negative", "eps", ValueError, _scalar(eps=-1.0)),
     ("rms_norm", "eps NaN", "eps", ValueError, _scalar(eps=float("nan"))),
     ("rms_norm", "eps a string", "eps", TypeError, _scalar(eps="1e-6")),

@@ -192,6 +192,7 @@ LOCAL = [
     (norm.BWD_DW, {"d": 96}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4, "gpc": 2},
                                                {"wg": 32, "vw": 4, "rpg": 1, "gpc": 1}]),
     (qk_rope.SPEC, {"hd": 32}, {"idx": "uint", "half": 8}, [{"wg": 32, "vw": 2, "upg": 4, "rb": 8}]),
+    (qk_rope.SPEC, {"hd": 32}, {"idx": "uint", "half": 8, "varlen": 1}, []),
     (attn.FWD, {"hd": 40}, {"idx": "uint"}, [{"bq": 12, "rq": 3, "tx": 3, "bk": 9, "vw": 1, "dc": 5, "kc": 3},
                                              {"bq": 16, "rq": 2, "tx": 8, "bk": 24, "vw": 2, "dc": 48, "kc": 12}]),
     (attn.FWD_MMA, {"hd": 40, "st": "float", "product": "fma"}, {"idx": "uint"}, [{"nw": 1, "bk": 32}]),

@@ -182,6 +182,13 @@ def run_qk_norm_rope(queue):
             _expect("qk_norm_rope_bwd dw", dw, wdw)
         table = ref.rope_table(window, 4)
         rope_ = cla.to_device(queue, table)
+        cu = np.array([0, 2, 2, 3, n], np.int32)  # varlen: lengths 2, 0, 1, 3
+        y, inv = clops.qk_norm_rope(queue, x_, w_, rope_, cu_seqlens=cu)
+        _expect("qk_norm_rope y varlen", y, ref.qk_norm_rope(x, w, table, cu_seqlens=cu)[0])
+        wdx, wdw = ref.qk_norm_rope_bwd(x, w, inv.get(), table, dy, cu_seqlens=cu)
+        dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_, cu_seqlens=cu)
+        _expect("qk_norm_rope_bwd dx varlen", dx, wdx)
+        _expect("qk_norm_rope_bwd dw varlen", dw, wdw)
         for dt, wdt in _narrow_dtypes():  # 16-bit storage, the column sum rounding dw to a 16-bit gain's dtype
             xn, wn, dyn = x.astype(dt), w.astype(wdt), dy.astype(dt)
             xn_, wn_, dyn_ = (cla.to_device(queue, a) for a in (xn, wn, dyn))

@@ -1,6 +1,6 @@
 """Per-head q/k RMSNorm + partial RoPE parity (y, inv, dx, dw; both gain styles) at the seed's shape, head dims
-4…512, half from 0 to hd/2, both x layouts, a window shorter than the table (positions restart every window);
-launch-parameter variants; deterministic dw; bad input rejected before anything runs; the same ops at
+4…512, half from 0 to hd/2, both x layouts, a window shorter than the table (positions restart every window),
+the sequences of cu_seqlens (positions restart at each); launch-parameter variants; deterministic dw; bad input rejected before anything runs; the same ops at
 float16 / bfloat16 storage.
 
 Tolerances (as tests/test_norm.py): float32 storage, relative L2 error against the float64 reference,
@@ -90,6 +90,46 @@ def test_positions_restart_every_window(queue):
         assert got.tobytes() == np.tile(got[:3], (3, 1, 1)).tobytes()
     y9 = clops.qk_norm_rope(queue, X, W, R)[0].get()
     assert not np.array_equal(y9[3:6], y9[:3])
+
+
+SEQUENCES = [  # lengths (empty and one-token sequences among them), offsets on the device, storage dtype
+    ([3, 0, 1, 6, 0], False, np.float32),
+    ([0, 1, 9, 2], True, np.float32),
+    ([5, 0, 1, 4], True, ml_dtypes.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lengths,on_device,dtype", SEQUENCES, ids=["numpy", "device", "bfloat16"])
+def test_sequences_match_reference(queue, lengths, on_device, dtype):
+    """cu_seqlens: each row rotated to its offset in its sequence, over a table longer than the longest
+    (numpy offsets; device ones with a max_seqlen above the longest); tolerances as test_narrow_storage."""
+    cu = np.cumsum([0] + lengths, dtype=np.int32)
+    x, w, dy = _data(int(cu[-1]), 3, 16)
+    x, dy = x.astype(dtype), dy.astype(dtype)
+    table = ref.rope_table(max(lengths) + 2, 6)
+    X, W, DY, R = to_device(queue, x, w, dy, table)
+    kw = {"cu_seqlens": cla.to_device(queue, cu), "max_seqlen": max(lengths) + 1} if on_device else {"cu_seqlens": cu}
+    y, inv = clops.qk_norm_rope(queue, X, W, R, **kw)
+    dx, dw = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, **kw)
+    wy, winv = ref.qk_norm_rope(x, w, table, cu_seqlens=cu)
+    wdx, wdw = ref.qk_norm_rope_bwd(x, w, inv.get(), table, dy, cu_seqlens=cu)
+    assert rel_err(inv.get(), winv) <= 1e-6 and rel_err(dw.get(), wdw) <= 1e-5  # float32, as w
+    if dtype == np.float32:
+        assert rel_err(y.get(), wy) <= 1e-6 and rel_err(dx.get(), wdx) <= 1e-5
+    else:
+        assert_storage_close("y", y, wy, dtype, 1e-6)
+        assert_storage_close("dx", dx, wdx, dtype, 1e-5)
+
+
+def test_equal_sequences_rotate_as_the_window(queue):
+    """cu_seqlens of equal sequences gives window='s bits (y, inv, dx, dw)."""
+    x, w, dy = _data(12, 2, 32)
+    X, W, DY, R = to_device(queue, x, w, dy, ref.rope_table(5, 10))
+    got = []
+    for kw in ({"window": 4}, {"cu_seqlens": np.arange(0, 13, 4, dtype=np.int32)}):
+        y, inv = clops.qk_norm_rope(queue, X, W, R, **kw)
+        got.append([a.get().tobytes() for a in (y, inv, *clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, **kw))])
+    assert got[0] == got[1]
 
 
 def test_empty_table_means_no_rotation(queue):
