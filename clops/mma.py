@@ -17,6 +17,7 @@ the CPU runtimes).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -107,3 +108,19 @@ def forward_product(queue, st):
         return None, "float32 storage keeps the portable kernel, faster than tf32x3 on the H200 (CLOPS_MMA=1 takes it)"
     ok, reason = probe(queue.device, queue.context)
     return (PRODUCTS[st], reason) if ok else (None, reason)
+
+
+@contextlib.contextmanager
+def using(product):
+    """The block's attention forwards take the matrix-unit driver with ``product`` ("fma", or the
+    device's own) where :func:`forward_product` allows it (how ``clops tune`` times the driver):
+    CLOPS_MMA set for the block, then restored. Not for threads that run ops meanwhile."""
+    before = os.environ.get("CLOPS_MMA")
+    os.environ["CLOPS_MMA"] = "fma" if product == "fma" else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CLOPS_MMA"]
+        else:
+            os.environ["CLOPS_MMA"] = before

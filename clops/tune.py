@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -48,7 +49,7 @@ import pyopencl.tools as cl_tools
 
 import clops
 
-from . import attn, elementwise, embed, loss, norm, optim, qk_rope, runtime, tuning
+from . import attn, elementwise, embed, loss, mma, norm, optim, qk_rope, runtime, tuning
 from . import reference as ref
 from .profile import Profile, measure
 from .program import KERNEL_DIR
@@ -203,6 +204,27 @@ def _attention_fwd(queue, sc, pb):
                 attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
+def _attention_fwd_mma(queue, sc, pb):
+    """The forward on the matrix-unit driver with the tile products ``sc["product"]`` at storage
+    ``sc["st"]`` (16-bit results: the relative L2 of their one rounding allowed, about 2⁻⁹)."""
+    with mma.using(sc["product"]):
+        taken = mma.forward_product(queue, sc["st"])[0]
+    if taken != sc["product"]:
+        raise ValueError(f"--class product={sc['product']}: the forward at st={sc['st']} takes {taken} on this device")
+    dtype = {"float": np.float32, "half": np.float16, "bf16": ml_dtypes.bfloat16}[sc["st"]]
+    q, k, v = (x.astype(dtype) for x in _attention_data(pb, sc["hd"]))
+    dq, dk, dv = _upload(queue, q, k, v)
+    pool = _pool(queue)
+
+    def call():
+        with mma.using(sc["product"]):
+            return clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool)
+
+    return Case(call, lambda: ref.attention(q, k, v, window=pb["window"]),
+                (ATTENTION if sc["st"] == "float" else 1e-2, FWD), "TFLOP/s",
+                attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
+
+
 def _attention_bwd(products, store_ds):
     """The backward (dQ the way ``store_ds`` says, as attention_bwd takes it), its work counted as
     ``products`` matrix products of a forward's size each (dkv: S, dP, dV, dK; dq: S, dP, dQ; dqs: dQ)."""
@@ -319,6 +341,9 @@ FAMILIES = {
                               "(add_rms_norm_bwd's parameters too)"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
                             "attention forward on [windows·window, nh|nkv, hd]"),
+    "attention_fwd_mma": Family(attn.FWD_MMA, {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem,
+                                _attention_fwd_mma, "attention forward on the matrix-unit driver at storage st "
+                                "(product: its tile products, the device's or fma)"),
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
     "attention_bwd_dqs": _bwd_family("dqs"),

@@ -8,7 +8,7 @@ import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import program, tune, tuning
+from clops import mma, program, tune, tuning
 from clops.reference import rel_err, rnd
 
 
@@ -84,12 +84,21 @@ def test_configurations_and_rules():
     assert kept == [] and left_out == {"local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE": 2}
 
 
+def _on_device(queue, fam, sc):
+    """Shape class ``sc`` for ``fam`` on ``queue``'s device: the matrix-unit driver's at bfloat16 with
+    the device's products, or the portable ones."""
+    if "product" not in fam.shape_class:
+        return sc
+    with mma.using("bf16"):
+        return dict(sc, st="bf16", product=mma.forward_product(queue, "bf16")[0] or "fma")
+
+
 @pytest.mark.parametrize("name", sorted(tune.FAMILIES))
 def test_family_cases_match_the_reference(queue, name):
     """Each family's problem, run with the op's own parameters, agrees with its reference answer."""
     fam = tune.FAMILIES[name]
-    sc = dict(fam.shape_class, **({"hd": 32} if "hd" in fam.shape_class else {"d": 96} if "d" in fam.shape_class
-                                  else {}))
+    sc = _on_device(queue, fam, dict(fam.shape_class, **({"hd": 32} if "hd" in fam.shape_class else {"d": 96}
+                                                         if "d" in fam.shape_class else {})))
     problem = {k: min(v, 64) for k, v in fam.problem(sc, True).items()}
     case = fam.prepare(queue, sc, problem)
     outs = case.call()
@@ -240,7 +249,7 @@ def test_every_family_sweeps_through_the_command_line(queue, tuning_dirs, tmp_pa
     """One configuration of each family, through ``clops tune`` as a user runs it (``tune qk_norm_rope``
     once crashed: the package's name for the module was the op)."""
     fam = tune.FAMILIES[name]
-    sc = {"hd": 16} if "hd" in fam.shape_class else {"d": 64} if "d" in fam.shape_class else {}
+    sc = _on_device(queue, fam, {"hd": 16} if "hd" in fam.shape_class else {"d": 64} if "d" in fam.shape_class else {})
     argv = [name, "--small", "--out", str(tmp_path / "r.json"), "--runs", "7", "--warmup", "0"]
     argv += [f"--class={k}={v}" for k, v in sc.items()]
     current = fam.spec.resolve(queue.device, sc)[0]  # one configuration: the op's own
