@@ -4,12 +4,12 @@
 // Work-group (h, w, b) computes query head h of window (sequence) w for the BQ = 16·NW query
 // rows of block b (blocks in reverse, the heaviest first); warp wi of the group owns rows
 // row0 = q0 + 16·wi .. row0 + 15 (lane = lid % 32, g = lane / 4, t = lane % 4). Per key block
-// of BK keys: the group stages K in local memory; each warp scores its rows (S = Q·Kᵀ, an
+// of BK keys: each warp scores its rows against the K staged in local memory (S = Q·Kᵀ, an
 // accumulator tile s[BK/8][4]), masks, scales (and caps) in the log2 domain, takes the online
-// softmax (row maxima and sums across the 4 lanes of a quad), then the group stages V in the
-// same local memory and each warp accumulates O += P·V into acc[HD/8][4] (the head dim in tiles
-// of 8 columns). K and V reach registers a step before they are staged (K during the previous
-// block's P·V, V during Q·Kᵀ), so global latency hides behind the products. Rows past the
+// softmax (row maxima and sums across the 4 lanes of a quad), then, V staged beside K, each
+// warp accumulates O += P·V into acc[HD/8][4] (the head dim in tiles of 8 columns). K and V
+// reach registers a step before they are staged (K during the previous block's P·V, V during
+// Q·Kᵀ), so global latency hides behind the products. Rows past the
 // sequence compute on zero Q and are never stored; keys past it are staged as zero and masked.
 // In blocks crossing the mask's edges a key a row does not see has P = 0, which a matrix
 // product still multiplies by V: if the staged V holds a non-finite value there, the block's
@@ -64,26 +64,23 @@ ${tp.decls(kind, st)}\
         }
 </%def>
 
-## Stage the fetched x[KN] in stage[key * KS + d]; `check`: set nonfinite when a value is NaN or ±Inf.
-<%def name="put(x, check)">
+## Stage the fetched x[KN] in dst[key * KS + d]; `flag`: set it when a value is NaN or ±Inf.
+<%def name="put(x, dst, flag=None)">
         #pragma unroll
         for (int u = 0; u < KN; ++u) {
             const uint e = lid + u * WG;
             if (e < BK * (HD / PER)) {
-                *(__local ${ev} *)(stage + e / (HD / PER) * KS + e % (HD / PER) * PER) = ${x}[u];
-% if check:
-                ${nonfinite(x + "[u]")}
+                *(__local ${ev} *)(${dst} + e / (HD / PER) * KS + e % (HD / PER) * PER) = ${x}[u];
+% if flag:
+<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
+% if narrow:
+                if (any((${x}[u] & ${mask}) == ${mask}) || any(((${x}[u] >> 16) & ${mask}) == ${mask})) ${flag} = 1;
+% else:
+                if (any(isinf(${x}[u])) || any(isnan(${x}[u]))) ${flag} = 1;
+% endif
 % endif
             }
         }
-</%def>
-<%def name="nonfinite(x)">
-% if narrow:
-<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
-            if (any((${x} & ${mask}) == ${mask}) || any(((${x} >> 16) & ${mask}) == ${mask})) nonfinite = 1;
-% else:
-            if (any(isinf(${x})) || any(isnan(${x}))) nonfinite = 1;
-% endif
 </%def>
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -92,9 +89,9 @@ void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restr
                    __global const int *restrict cu,""" if varlen else ""}
                    const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
 {
-    __local ${et} stage[BK * KS] __attribute__((aligned(16)));  // K, then V, of the key block
-    __local const ${et} *ks = stage, *vs = stage;
-    __local int nonfinite;
+    __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
+    __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
+    __local int nonfinite[2];                 // V of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
 ${tp.locals(kind)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
@@ -125,15 +122,18 @@ ${tp.locals(kind)}\
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
 ${tp.load_q(kind, st)}\
 
-    // Each block's K is fetched during the previous block's P·V, its V during its own Q·Kᵀ.
+    // Each block's K is fetched and staged during the previous block's P·V, its V during its own
+    // Q·Kᵀ: two barriers a block. After the one that follows V's staging no warp reads K any more
+    // (Q·Kᵀ came before it), and after the one that follows K's no warp reads V or the flag of the
+    // block before.
     ${ev} kr[KN], vr[KN];
     ${fetch("kr", "k", "%s * BK" % kb_first if kb_first != "0" else "0")}
+    if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+    ${put("kr", "kst")}
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
         barrier(CLK_LOCAL_MEM_FENCE);
-        ${put("kr", False)}
-        if (lid == 0) nonfinite = 0;
-        barrier(CLK_LOCAL_MEM_FENCE);
+        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
         ${fetch("vr", "v", "k0")}
 
         float s[BK / 8][4];
@@ -183,14 +183,13 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             }
         }
 
-        barrier(CLK_LOCAL_MEM_FENCE);
-        ${put("vr", bool(edges))}
+        ${put("vr", "vst", "nonfinite[kb & 1]" if edges else None)}
         barrier(CLK_LOCAL_MEM_FENCE);
         if (kb + 1 < nkb) {
             ${fetch("kr", "k", "k0 + BK")}
         }
 % if edges:
-        if ((${" || ".join(edges)}) && nonfinite) {
+        if ((${" || ".join(edges)}) && nonfinite[kb & 1]) {
 ${tp.pv(kind, st, True, visible)}\
         } else {
 ${tp.pv(kind, st, False, visible)}\
@@ -198,6 +197,9 @@ ${tp.pv(kind, st, False, visible)}\
 % else:
 ${tp.pv(kind, st, False, visible)}\
 % endif
+        if (kb + 1 < nkb) {
+            ${put("kr", "kst")}
+        }
     }
 
     // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.

@@ -212,14 +212,14 @@ FWD = Spec(
 # tuning database "attention_fwd_mma", shape class {"hd", "st", "product"}. Its parameters:
 #   nw  warps of 32 work-items per group, each on 16 query rows (16·nw rows a group);
 #   bk  keys per key block, a multiple of 16.
-# Local memory: bk·(hd + e)·s + 4 bytes (s = 4, e = 4 for float storage; s = 2, e = 8 for 16-bit),
+# Local memory: 2·bk·(hd + e)·s + 8 bytes (s = 4, e = 4 for float storage; s = 2, e = 8 for 16-bit),
 # plus 4·(16·nw·bk + 64·nw) with the portable products.
 
 def _mma_local_bytes(p, sc):
     pad, size = (8, 2) if sc["st"] != "float" else (4, 4)
-    stage = p["bk"] * (sc["hd"] + pad) * size  # K, then V
+    stage = p["bk"] * (sc["hd"] + pad) * size  # K, and V
     portable = 4 * (16 * p["nw"] * p["bk"] + 2 * 32 * p["nw"]) if sc["product"] == "fma" else 0
-    return stage + 4 + portable
+    return 2 * stage + 8 + portable
 
 
 def _mma_heuristic(dev, sc):

@@ -291,6 +291,37 @@ def run_attention_variants(queue):
                 _expect(f"attention_bwd {name} (store_ds={store_ds})", got, w)
 
 
+def run_attention_mma(queue):
+    import numpy as np
+    import pyopencl.array as cla
+
+    import clops
+    from clops import mma, reference as ref, tuning
+    from clops.reference import rnd
+
+    # The matrix-unit driver with the portable products: two warps of 16 rows and 16-key blocks
+    # over windows and sequences of 17-34 rows (partial blocks), every variant flag, a NaN of V in
+    # a block crossing the diagonal (the exact masked form), bfloat16 storage.
+    nh, nkv, n = 4, 2, 34
+    with mma.using("fma"):
+        for hd, dtype, kw in ((8, "float32", dict(window=17)), (16, "float32", dict(window=17)),
+                              (8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
+                              (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
+                              (16, "bfloat16", dict(window=34))):
+            tuning.override("attention_fwd_mma", {"hd": hd, "st": "float" if dtype == "float32" else "bf16",
+                                                  "product": "fma"}, {"nw": 2, "bk": 16})
+            q, k, v = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
+                                                                        ((n, nkv, hd), 33)))
+            (o, lse), (wo, wlse) = clops.attention(queue, *(cla.to_device(queue, a) for a in (q, k, v)), **kw), \
+                ref.attention(q, k, v, **kw)
+            _expect(f"attention_mma o {kw}", o, wo, 1e-5 if dtype == "float32" else NARROW_TOL)
+            _expect(f"attention_mma lse {kw}", lse, wlse)
+        v[20, 1, 3] = np.nan  # rows 0-19 of the window must not see it
+        o, _ = clops.attention(queue, *(cla.to_device(queue, a) for a in (q, k, v)), window=34)
+        if np.isnan(o.get()[:20]).any() or not np.isnan(o.get()[20:, 2:, 3]).all():
+            raise AssertionError("attention_mma: a NaN of V reached rows that do not see it")
+
+
 def run_cross_entropy(queue):
     import numpy as np
     import pyopencl.array as cla
@@ -379,6 +410,7 @@ FAMILIES = {
     "qk_norm_rope": (run_qk_norm_rope, ["qk_norm_rope.cl.mako"]),
     "attention": (run_attention, ["attention_fwd.cl.mako", "attention_bwd.cl.mako"]),
     "attention_variants": (run_attention_variants, ["attention_fwd.cl.mako", "attention_bwd.cl.mako"]),
+    "attention_mma": (run_attention_mma, ["attention_fwd_mma.cl.mako"]),
 }
 
 # Throwaway kernels, each with one planted fault of a kind the simulator must report.
