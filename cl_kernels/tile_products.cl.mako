@@ -222,8 +222,11 @@ inline uint pack2(float lo, float hi)
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 % elif masked:
-        // P of every key of the block from the quad's lanes, one key at a time.
+        // P of every key of the block from the quad's lanes, one key at a time (j and x unrolled:
+        // s indexed at run time would live in memory, on every path).
+        #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll 1
             for (uint tp = 0; tp < 4; ++tp) {
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
