@@ -310,6 +310,8 @@ def finite_float(name, value):
 
 def flag(name, value):
     """``value`` if it is a bool: a string such as "False" would be taken as true."""
+    if value is True or value is False:
+        return value
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
     return bool(value)
