@@ -62,10 +62,10 @@ def check_array(name, arr, queue, shape=None, ndim=None, dtype=F32, like=None):
     """Require a C-contiguous ``pyopencl.array.Array`` of ``dtype`` (float32 unless told; a tuple: any
     of them) on ``queue``'s context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions,
     when given). ``like`` names the argument whose dtype ``dtype`` is, for the error message."""
-    if (type(arr) is cla.Array and (arr.dtype == dtype if type(dtype) is not tuple else arr.dtype in dtype)
-            and arr.offset == 0 and arr.size
-            and (shape is None or arr.shape == shape) and (ndim is None or arr.ndim == ndim)
-            and arr.flags.c_contiguous and (arr.queue is queue or arr.context == queue.context)):
+    if (type(arr) is cla.Array and arr.offset == 0 and arr.size and arr.flags.c_contiguous
+            and ((dt := arr.dtype) is dtype or (dt in dtype if type(dtype) is tuple else dt == dtype))
+            and (shape is None or arr.shape == shape) and (ndim is None or len(arr.shape) == ndim)
+            and (arr.queue is queue or arr.context == queue.context)):
         return arr  # the common case, in one test; the checks below say what is wrong
     if not isinstance(arr, cla.Array):
         raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")
@@ -183,18 +183,24 @@ def outputs(queue, allocator, given, inputs, in_place=(), dtype=F32):
     _calls[0] += 1
     if _calls[0] % POLL_EVERY == 0:  # a status query costs about a microsecond: not every call
         _release_completed()
-    result, given_arrays = [], []
+    result, ptrs, n_given = [], set(), 0
     for entry in given:
-        name, arr, shape = entry[0], entry[1], entry[2]
-        dt = entry[3] if len(entry) > 3 else dtype
+        arr = entry[1]
         if arr is None:
-            arr = new_array(queue, shape, allocator, dt)
+            arr = new_array(queue, entry[2], allocator, entry[3] if len(entry) > 3 else dtype)
         else:
-            check_array(name, arr, queue, shape=shape, dtype=dt)
-            given_arrays.append((name, arr))
+            check_array(entry[0], arr, queue, shape=entry[2], dtype=entry[3] if len(entry) > 3 else dtype)
+            ptrs.add(arr.base_data.int_ptr)
+            n_given += 1
         result.append(arr)
-    if given_arrays:
-        check_disjoint(given_arrays, inputs, in_place)
+    if n_given:  # the common case: distinct buffers, none an input's; else check_disjoint says which pair
+        if len(ptrs) == n_given:
+            for _, b in inputs:
+                if b is not None and b.base_data.int_ptr in ptrs:
+                    break
+            else:
+                return result
+        check_disjoint([(entry[0], entry[1]) for entry in given], inputs, in_place)
     return result
 
 
@@ -272,12 +278,12 @@ def events(wait_for, *arrays):
     context) plus those pending on the arrays it touches, each once (an op's outputs share their
     events, and every entry of a wait list costs the driver time)."""
     out = [] if wait_for is None else wait_list(wait_for, next(a.context for a in arrays if a is not None))
-    seen = {id(e) for e in out}
+    seen = [id(e) for e in out]  # a list: a few entries, searched faster than a set is built
     for a in arrays:
         if a is not None:
             for e in a.events:
                 if id(e) not in seen:
-                    seen.add(id(e))
+                    seen.append(id(e))
                     out.append(e)
     return out
 
@@ -286,7 +292,7 @@ def wrote(evts, *arrays):
     """``arrays``' pending events become ``evts``, the op's kernels that wrote them (each waited on
     the arrays' earlier events), so the lists stay short; returns the arrays."""
     for a in arrays:
-        a.events = list(evts)
+        a.events = [*evts]
     return arrays
 
 
