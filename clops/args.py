@@ -89,28 +89,40 @@ def check_array(name, arr, queue, shape=None, ndim=None, dtype=F32, like=None):
 
 
 _pools = weakref.WeakKeyDictionary()  # context -> its default MemoryPool
+_pool_by_id = {}  # id(context) -> (weak reference to it, its pool): found without making a weak reference
 # (event, scratch arrays) not yet released, oldest first. Held strongly, whatever the context:
 # a queue's Python context object may go while its kernels still run.
 _held = collections.deque()
 _pool_lock = threading.Lock()
 _calls = [0]  # op calls, for POLL_EVERY
 POLL_EVERY = 8  # op calls between two looks at the held arrays (every call that makes scratch looks too)
+_STATUS = cl.event_info.COMMAND_EXECUTION_STATUS  # get_info with it: a fifth of the property's cost
 
 
 def memory_pool(queue):
     """The memory pool that ops on ``queue``'s context allocate from when no ``allocator`` is given
     (``memory_pool(queue).free_held()`` gives its unused memory back to the device)."""
     ctx = queue.context
-    pool = _pools.get(ctx)
-    if pool is None:
-        with _pool_lock:
-            pool = _pools.get(ctx)
-            if pool is None:
-                # Deferred, not ImmediateAllocator: that one writes into each new buffer on the queue it
-                # was made with, which on NVIDIA's driver waited on a gated queue and, from another
-                # queue, could land after an op on that queue had written the buffer.
-                pool = _pools[ctx] = deferred_pool(ctx)
+    found = _pool_by_id.get(id(ctx))
+    if found is not None and found[0]() is ctx:
+        return found[1]
+    with _pool_lock:
+        pool = _pools.get(ctx)
+        if pool is None:
+            # Deferred, not ImmediateAllocator: that one writes into each new buffer on the queue it
+            # was made with, which on NVIDIA's driver waited on a gated queue and, from another
+            # queue, could land after an op on that queue had written the buffer.
+            pool = _pools[ctx] = deferred_pool(ctx)
+        _pool_by_id[id(ctx)] = (weakref.ref(ctx, _forget_pool(id(ctx))), pool)
     return pool
+
+
+def _forget_pool(key):
+    """The callback that drops ``_pool_by_id[key]`` when its context goes (not a later one's entry)."""
+    def forget(ref):  # no lock: it may run while _release_completed holds _pool_lock, and the id is not
+        if _pool_by_id.get(key, (None,))[0] is ref:  # reused before the context's callbacks have run
+            _pool_by_id.pop(key, None)
+    return forget
 
 
 def deferred_pool(ctx):
@@ -129,11 +141,15 @@ def check_allocator(allocator):
 
 def _buffer(queue, nbytes, allocator):
     """(a buffer of at least ``nbytes`` from ``allocator`` or the context's pool, the allocator used)."""
-    alloc = memory_pool(queue) if allocator is None else allocator
-    buf = alloc(nbytes)
-    if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
-        got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
-        raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
+    if allocator is None:  # the context's pool: its buffers are of the size asked for
+        alloc = memory_pool(queue)
+        buf = alloc(nbytes)
+    else:
+        alloc = allocator
+        buf = alloc(nbytes)
+        if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
+            got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
+            raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
     if host_observers:
         note(queue, "buffers")
         note(queue, "buffer_bytes", nbytes)
@@ -226,7 +242,7 @@ def _release_completed():
     with _pool_lock:
         while _held:
             for e in _held[0][0]:
-                if e.command_execution_status > 0:  # CL_COMPLETE is 0, errors are negative
+                if e.get_info(_STATUS) > 0:  # CL_COMPLETE is 0, errors are negative
                     return
             _held.popleft()
 
