@@ -62,10 +62,10 @@ def check_array(name, arr, queue, shape=None, ndim=None, dtype=F32, like=None):
     """Require a C-contiguous ``pyopencl.array.Array`` of ``dtype`` (float32 unless told; a tuple: any
     of them) on ``queue``'s context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions,
     when given). ``like`` names the argument whose dtype ``dtype`` is, for the error message."""
-    if (type(arr) is cla.Array and (arr.dtype == dtype if type(dtype) is not tuple else arr.dtype in dtype)
-            and arr.offset == 0 and arr.size
-            and (shape is None or arr.shape == shape) and (ndim is None or arr.ndim == ndim)
-            and arr.flags.c_contiguous and (arr.queue is queue or arr.context == queue.context)):
+    if (type(arr) is cla.Array and arr.offset == 0 and arr.size and arr.flags.c_contiguous
+            and ((dt := arr.dtype) is dtype or (dt in dtype if type(dtype) is tuple else dt == dtype))
+            and (shape is None or arr.shape == shape) and (ndim is None or len(arr.shape) == ndim)
+            and (arr.queue is queue or arr.context == queue.context)):
         return arr  # the common case, in one test; the checks below say what is wrong
     if not isinstance(arr, cla.Array):
         raise TypeError(f"{name}: expected a pyopencl.array.Array, got {type(arr).__name__}")
@@ -89,28 +89,40 @@ def check_array(name, arr, queue, shape=None, ndim=None, dtype=F32, like=None):
 
 
 _pools = weakref.WeakKeyDictionary()  # context -> its default MemoryPool
+_pool_by_id = {}  # id(context) -> (weak reference to it, its pool): found without making a weak reference
 # (event, scratch arrays) not yet released, oldest first. Held strongly, whatever the context:
 # a queue's Python context object may go while its kernels still run.
 _held = collections.deque()
 _pool_lock = threading.Lock()
 _calls = [0]  # op calls, for POLL_EVERY
 POLL_EVERY = 8  # op calls between two looks at the held arrays (every call that makes scratch looks too)
+_STATUS = cl.event_info.COMMAND_EXECUTION_STATUS  # get_info with it: a fifth of the property's cost
 
 
 def memory_pool(queue):
     """The memory pool that ops on ``queue``'s context allocate from when no ``allocator`` is given
     (``memory_pool(queue).free_held()`` gives its unused memory back to the device)."""
     ctx = queue.context
-    pool = _pools.get(ctx)
-    if pool is None:
-        with _pool_lock:
-            pool = _pools.get(ctx)
-            if pool is None:
-                # Deferred, not ImmediateAllocator: that one writes into each new buffer on the queue it
-                # was made with, which on NVIDIA's driver waited on a gated queue and, from another
-                # queue, could land after an op on that queue had written the buffer.
-                pool = _pools[ctx] = deferred_pool(ctx)
+    found = _pool_by_id.get(id(ctx))
+    if found is not None and found[0]() is ctx:
+        return found[1]
+    with _pool_lock:
+        pool = _pools.get(ctx)
+        if pool is None:
+            # Deferred, not ImmediateAllocator: that one writes into each new buffer on the queue it
+            # was made with, which on NVIDIA's driver waited on a gated queue and, from another
+            # queue, could land after an op on that queue had written the buffer.
+            pool = _pools[ctx] = deferred_pool(ctx)
+        _pool_by_id[id(ctx)] = (weakref.ref(ctx, _forget_pool(id(ctx))), pool)
     return pool
+
+
+def _forget_pool(key):
+    """The callback that drops ``_pool_by_id[key]`` when its context goes (not a later one's entry)."""
+    def forget(ref):  # no lock: it may run while _release_completed holds _pool_lock, and the id is not
+        if _pool_by_id.get(key, (None,))[0] is ref:  # reused before the context's callbacks have run
+            _pool_by_id.pop(key, None)
+    return forget
 
 
 def deferred_pool(ctx):
@@ -129,11 +141,15 @@ def check_allocator(allocator):
 
 def _buffer(queue, nbytes, allocator):
     """(a buffer of at least ``nbytes`` from ``allocator`` or the context's pool, the allocator used)."""
-    alloc = memory_pool(queue) if allocator is None else allocator
-    buf = alloc(nbytes)
-    if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
-        got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
-        raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
+    if allocator is None:  # the context's pool: its buffers are of the size asked for
+        alloc = memory_pool(queue)
+        buf = alloc(nbytes)
+    else:
+        alloc = allocator
+        buf = alloc(nbytes)
+        if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
+            got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
+            raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
     if host_observers:
         note(queue, "buffers")
         note(queue, "buffer_bytes", nbytes)
@@ -230,18 +246,24 @@ def outputs(queue, allocator, given, inputs, in_place=(), dtype=F32):
     _calls[0] += 1
     if _calls[0] % POLL_EVERY == 0:  # a status query costs about a microsecond: not every call
         _release_completed()
-    result, given_arrays = [], []
+    result, ptrs, n_given = [], set(), 0
     for entry in given:
-        name, arr, shape = entry[0], entry[1], entry[2]
-        dt = entry[3] if len(entry) > 3 else dtype
+        arr = entry[1]
         if arr is None:
-            arr = new_array(queue, shape, allocator, dt)
+            arr = new_array(queue, entry[2], allocator, entry[3] if len(entry) > 3 else dtype)
         else:
-            check_array(name, arr, queue, shape=shape, dtype=dt)
-            given_arrays.append((name, arr))
+            check_array(entry[0], arr, queue, shape=entry[2], dtype=entry[3] if len(entry) > 3 else dtype)
+            ptrs.add(arr.base_data.int_ptr)
+            n_given += 1
         result.append(arr)
-    if given_arrays:
-        check_disjoint(given_arrays, inputs, in_place)
+    if n_given:  # the common case: distinct buffers, none an input's; else check_disjoint says which pair
+        if len(ptrs) == n_given:
+            for _, b in inputs:
+                if b is not None and b.base_data.int_ptr in ptrs:
+                    break
+            else:
+                return result
+        check_disjoint([(entry[0], entry[1]) for entry in given], inputs, in_place)
     return result
 
 
@@ -267,7 +289,7 @@ def _release_completed():
     with _pool_lock:
         while _held:
             for e in _held[0][0]:
-                if e.command_execution_status > 0:  # CL_COMPLETE is 0, errors are negative
+                if e.get_info(_STATUS) > 0:  # CL_COMPLETE is 0, errors are negative
                     return
             _held.popleft()
 
@@ -319,12 +341,12 @@ def events(wait_for, *arrays):
     context) plus those pending on the arrays it touches, each once (an op's outputs share their
     events, and every entry of a wait list costs the driver time)."""
     out = [] if wait_for is None else wait_list(wait_for, next(a.context for a in arrays if a is not None))
-    seen = {id(e) for e in out}
+    seen = [id(e) for e in out]  # a list: a few entries, searched faster than a set is built
     for a in arrays:
         if a is not None:
             for e in a.events:
                 if id(e) not in seen:
-                    seen.add(id(e))
+                    seen.append(id(e))
                     out.append(e)
     return out
 
@@ -333,7 +355,7 @@ def wrote(evts, *arrays):
     """``arrays``' pending events become ``evts``, the op's kernels that wrote them (each waited on
     the arrays' earlier events), so the lists stay short; returns the arrays."""
     for a in arrays:
-        a.events = list(evts)
+        a.events = [*evts]
     return arrays
 
 
@@ -357,6 +379,8 @@ def finite_float(name, value):
 
 def flag(name, value):
     """``value`` if it is a bool: a string such as "False" would be taken as true."""
+    if value is True or value is False:
+        return value
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
     return bool(value)

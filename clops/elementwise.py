@@ -46,12 +46,13 @@ def _plan(queue, name, n, st, gst):
 def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
     st, gst = storage(ins[0].dtype), storage(gathers[0].dtype) if gathers else "float"
     knl, groups, count, itype = SPEC.plan(queue, (name, n, st, gst), _plan, name, n, st, gst)
-    args = [a.base_data for a in (*outs, *ins, *gathers)]
+    arrays = (*outs, *ins, *gathers)
+    args = [a.base_data for a in arrays]
     args.append(count)
     for s in scalars:
         args.append(itype(s) if isinstance(s, int) else np.float32(s))
-    evt = knl(queue, groups, args, wait_for=events(wait_for, *outs, *ins, *gathers))
-    hold([evt], *outs, *ins, *gathers)
+    evt = knl(queue, groups, args, wait_for=events(wait_for, *arrays))
+    hold([evt], *arrays)
     return wrote([evt], *outs)
 
 

@@ -129,16 +129,29 @@ DW = Spec(
 MIN_STEPS = 4  # a one-pass backward group walks at least this many steps of rows (fewer partial rows)
 
 
+_OFFSETS = (np.float32(0.0), np.float32(1.0))
+
+
 def gain_offset(gemma):
     """The kernels' w_offset: gains are ``w + offset`` (1 for gemma-style gains); ``gemma`` must be a bool."""
-    return np.float32(1.0 if flag("gemma", gemma) else 0.0)
+    return _OFFSETS[flag("gemma", gemma)]
+
+
+_eps_seen = {}  # float eps -> np.float32 eps, for those that passed the checks (a few values in practice)
 
 
 def check_eps(eps):
-    eps = finite_float("eps", eps)
-    if eps < 0:
-        raise ValueError(f"eps: must be ≥ 0, got {eps}")
-    return np.float32(eps)
+    if type(eps) is float:  # the common case: a Python float already checked once
+        found = _eps_seen.get(eps)
+        if found is not None:
+            return found
+    checked = finite_float("eps", eps)
+    if checked < 0:
+        raise ValueError(f"eps: must be ≥ 0, got {checked}")
+    found = np.float32(checked)
+    if type(eps) is float and len(_eps_seen) < 64:
+        _eps_seen[eps] = found
+    return found
 
 
 def _check_x(queue, x):
@@ -223,21 +236,26 @@ def bwd_dw_groups(dev, p, n):
     return -(-n // per_group), per_group
 
 
+def _bwd_dw_plan(queue, name, n, d, st, wst):
+    sc = {"d": d}
+    p = BWD_DW.params(queue.device, sc)
+    idx = index_type((n + p["rpg"]) * d)
+    _, knl = BWD_DW.kernels(queue, sc, idx=idx, st=st, wst=wst)
+    groups, per_group = bwd_dw_groups(queue.device, p, n)
+    itype = index_scalar(idx)
+    return knl[name], groups, [itype(n), np.uint32(d // p["vw"]), np.float32(d)], itype(per_group)
+
+
 def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait_for, allocator):
     """Enqueue a one-pass backward (``name``: rms_norm_bwd_dw, or add_rms_norm_bwd with ``ds``), then the
     column sum of its groups' partial sums into ``dw``; returns ``(dx, dw)``."""
     n, d = x.shape
-    sc = {"d": d}
-    p = BWD_DW.params(queue.device, sc)
-    idx = index_type((n + p["rpg"]) * d)
-    _, knl = BWD_DW.kernels(queue, sc, idx=idx, st=storage(x.dtype), wst=storage(w.dtype))
-    groups, per_group = bwd_dw_groups(queue.device, p, n)
+    st, wst = storage(x.dtype), storage(w.dtype)
+    knl, groups, sizes, per_group = BWD_DW.plan(queue, (name, n, d, st, wst), _bwd_dw_plan, name, n, d, st, wst)
     partial = scratch(queue, groups * d, allocator)  # per-group column sums
-    itype = index_scalar(idx)
     ins = [x, w, inv, dy] + ([ds] if ds is not None else [])
-    args = [dx.base_data, partial, *(a.base_data for a in ins), itype(n), np.uint32(d // p["vw"]), np.float32(d),
-            eps, gain_offset(gemma), itype(per_group)]
-    evt = knl[name](queue, (groups,), args, wait_for=events(wait_for, dx, *ins))
+    args = [dx.base_data, partial, *(a.base_data for a in ins), *sizes, eps, gain_offset(gemma), per_group]
+    evt = knl(queue, (groups,), args, wait_for=events(wait_for, dx, *ins))
     done = column_sum(queue, partial, groups, d, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dx, dw, *ins)
     wrote([evt], dx)
@@ -246,31 +264,48 @@ def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait
 
 
 CHUNK = 256  # partial rows a column-sum group adds; more than 2·CHUNK rows take two launches
+_ACCUMULATE = (np.int32(0), np.int32(1))
+
+
+def _column_plan(queue, rows, cols, dwst):
+    """(kernel, grid, scalar arguments before the accumulate flag) of a column sum of ``rows`` partial
+    rows: into ``dw`` (of storage type ``dwst``), or with ``dwst`` None, chunks of CHUNK rows into a
+    float32 scratch of ``-(-rows // CHUNK)`` rows."""
+    sc = {"d": cols}
+    p = DW.params(queue.device, sc)
+    idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
+    _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=dwst or "float")
+    groups = -(-cols // 32)  # 32 columns a group
+    grid = (groups, 1) if dwst else (groups, -(-rows // CHUNK))
+    return knl["column_sum"], grid, [np.uint32(rows), np.uint32(cols)], np.uint32(rows if dwst else CHUNK)
 
 
 def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None, allocator=None):
     """Enqueue ``dw (+)= Σ_rows partial`` (a buffer of [rows, cols] floats) in a fixed order, in float32,
     then rounded once to ``dw``'s dtype; returns the last event. Over 2·CHUNK rows, chunks of CHUNK
     rows are summed into a float scratch first (more groups at work), then its rows into ``dw``."""
-    sc = {"d": cols}
-    p = DW.params(queue.device, sc)
-    idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
-    groups = -(-cols // 32)  # 32 columns a group
     if rows > 2 * CHUNK:
         chunks = -(-rows // CHUNK)
-        _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst="float")
+        knl, grid, sizes, chunk = DW.plan(queue, ("column_sum", rows, cols, None), _column_plan, rows, cols, None)
         mid = scratch(queue, chunks * cols, allocator)
-        evt = knl["column_sum"](queue, (groups, chunks),
-                                [mid, partial, np.uint32(rows), np.uint32(cols), np.int32(0), np.uint32(CHUNK)],
-                                wait_for=wait_for)
+        evt = knl(queue, grid, [mid, partial, *sizes, _ACCUMULATE[0], chunk], wait_for=wait_for)
         done = column_sum(queue, mid, chunks, cols, dw, accumulate, wait_for=[evt], allocator=allocator)
         hold([done], mid)
         return done
-    _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=storage(dw.dtype))
-    return knl["column_sum"](queue, (groups, 1),
-                             [dw.base_data, partial, np.uint32(rows), np.uint32(cols), np.int32(accumulate),
-                              np.uint32(rows)],
-                             wait_for=events(wait_for, dw))
+    dwst = storage(dw.dtype)
+    knl, grid, sizes, chunk = DW.plan(queue, ("column_sum", rows, cols, dwst), _column_plan, rows, cols, dwst)
+    return knl(queue, grid, [dw.base_data, partial, *sizes, _ACCUMULATE[accumulate], chunk],
+               wait_for=events(wait_for, dw))
+
+
+def _dw_plan(queue, n, d, st):
+    sc = {"d": d}
+    p = DW.params(queue.device, sc)
+    idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
+    _, knl = DW.kernels(queue, sc, idx=idx, st=st, dwst="float")
+    blocks = -(-n // p["rb"])
+    dv = d // p["vw"]
+    return knl["rms_norm_dw_partial"], (-(-dv // p["wg"]), blocks), blocks, [index_scalar(idx)(n), np.uint32(dv)]
 
 
 def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
@@ -282,16 +317,11 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     check_array("dy", dy, queue, shape=(n, d), dtype=x.dtype, like="x")
     accumulate = dw is not None
     (dw,) = outputs(queue, allocator, [("dw", dw, (d,))], [("x", x), ("inv", inv), ("dy", dy)])
-    sc = {"d": d}
-    p = DW.params(queue.device, sc)
-    idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
-    _, knl = DW.kernels(queue, sc, idx=idx, st=storage(x.dtype), dwst="float")
-    blocks = -(-n // p["rb"])
+    st = storage(x.dtype)
+    knl, grid, blocks, sizes = DW.plan(queue, ("rms_norm_dw", n, d, st), _dw_plan, n, d, st)
     partial = scratch(queue, blocks * d, allocator)  # per-block column sums
-    dv = d // p["vw"]
-    evt = knl["rms_norm_dw_partial"](queue, (-(-dv // p["wg"]), blocks),
-                                     [partial, x.base_data, inv.base_data, dy.base_data, index_scalar(idx)(n), np.uint32(dv)],
-                                     wait_for=events(wait_for, x, inv, dy))
+    evt = knl(queue, grid, [partial, x.base_data, inv.base_data, dy.base_data, *sizes],
+              wait_for=events(wait_for, x, inv, dy))
     done = column_sum(queue, partial, blocks, d, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dw, x, inv, dy)
     return wrote([evt, done], dw)[0]  # both stages' events: the profile of dw covers its two kernels

@@ -336,10 +336,13 @@ class Kernel:
 
     def __call__(self, queue, groups, args, wait_for=None):
         """Enqueue over ``groups`` work-groups (a tuple, one per dimension); returns the event."""
-        if len(groups) == 1:  # the common case, without a generator (this path is per launch)
-            global_size = (groups[0] * self.local_size[0],)
+        local = self.local_size
+        if len(groups) == 1:  # the common cases without a loop (this path is per launch)
+            global_size = (groups[0] * local[0],)
+        elif len(groups) == 2:
+            global_size = (groups[0] * local[0], groups[1] * local[1])
         else:
-            global_size = tuple([g * l for g, l in zip(groups, self.local_size)])
+            global_size = tuple([g * l for g, l in zip(groups, local)])
         if self._guarded is not None:
             # Checked build: an error record (flag, site, index low, high) and the buffers' sizes.
             err = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,

@@ -142,6 +142,20 @@ def _plan(queue, name, units, hd, half, st, wst, varlen):
     return p, knl[name], index_scalar(idx)(units)
 
 
+def _launch(queue, name, n, heads, hd, half, window, st, wst, varlen):
+    """(kernel, groups, blocks of the backward, [units, heads, window or sequences] as its scalars):
+    one memo lookup when warm."""
+    return SPEC.plan(queue, ("launch", name, n, heads, hd, half, window, st, wst, varlen), _launch_plan, name,
+                     n * heads, heads, hd, half, window, st, wst, varlen)
+
+
+def _launch_plan(queue, name, units, heads, hd, half, window, st, wst, varlen):
+    p, knl, itype_units = _plan(queue, name, units, hd, half, st, wst, varlen)
+    blocks = -(-units // p["rb"])  # the backward's groups, each a partial row of dw
+    groups = (-(-units // p["upg"]),) if name == "qk_norm_rope_fwd" else (blocks,)
+    return knl, groups, blocks, [itype_units, np.uint32(heads), np.uint32(window)]
+
+
 def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seqlens=None, max_seqlen=None, out=None,
                  inv=None, wait_for=None, allocator=None):
     """``(y, inv)``: per-head RMSNorm of ``x`` then RoPE; ``inv [n, heads]`` = 1/rms per unit."""
@@ -151,13 +165,12 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seq
     half, window, cu, rope = _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen)
     y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads), F32)],
                      [("x", x), ("w", w), ("rope", rope)], dtype=x.dtype)
-    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype),
-                            int(cu is not None))
+    knl, groups, _, sizes = _launch(queue, "qk_norm_rope_fwd", n, heads, hd, half, window, storage(x.dtype),
+                                    storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
     args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
-    args += ([cu.base_data] if cu is not None else []) + [units, np.uint32(heads), np.uint32(window), eps,
-                                                          gain_offset(gemma)]
-    evt = knl(queue, (-(-int(units) // p["upg"]),), args, wait_for=events(wait_for, y, inv, x, w, rope, cu))
+    args += ([cu.base_data] if cu is not None else []) + [*sizes, eps, gain_offset(gemma)]
+    evt = knl(queue, groups, args, wait_for=events(wait_for, y, inv, x, w, rope, cu))
     hold([evt], y, inv, x, w, rope, cu)
     return wrote([evt], y, inv)
 
@@ -177,15 +190,13 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, cu_
     accumulate = dw is not None
     dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,), w.dtype)],
                      [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)], dtype=x.dtype)
-    p, knl, units = _kernel(queue, "qk_norm_rope_bwd", n * heads, hd, half, storage(x.dtype), storage(w.dtype),
-                            int(cu is not None))
+    knl, groups, blocks, sizes = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window, storage(x.dtype),
+                                         storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
-    blocks = -(-int(units) // p["rb"])
     partial = scratch(queue, blocks * hd, allocator)  # per-block column sums
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
-    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, units, np.uint32(heads), np.uint32(window),
-                                                          gain_offset(gemma)]
-    evt = knl(queue, (blocks,), args, wait_for=events(wait_for, dx, x, w, inv, rope, cu, dy))
+    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, *sizes, gain_offset(gemma)]
+    evt = knl(queue, groups, args, wait_for=events(wait_for, dx, x, w, inv, rope, cu, dy))
     done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dx, dw, x, w, inv, rope, cu, dy)
     wrote([evt], dx)

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from . import tuning
-from .program import LimitError, checked_enabled, kernels
+from .program import LimitError, _switches, checked_enabled, kernels
 
 
 def _no_rules(p, sc):
@@ -42,6 +42,15 @@ def _no_local(p, sc):
 
 def _as_is(p, sc):
     return dict(p)
+
+
+_NOT_HOT = (lambda: None, None, None, None)  # matches no queue
+
+
+class _Table(dict):
+    """{op's key: plan} of one context, device and CLOPS_CHECKED; weakly referable, so that the hot
+    entry of :meth:`Spec.plan` keeps no dropped context's kernels alive."""
+    __slots__ = ("__weakref__",)
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,7 +70,8 @@ class Spec:
     def __post_init__(self):
         self._params = {}  # (device, shape class) -> render parameters
         self._kernels = weakref.WeakKeyDictionary()  # context -> {(device, shape class, extra): (params, kernels)}
-        self._plans = weakref.WeakKeyDictionary()  # context -> {(device, CLOPS_CHECKED, op's key): plan}
+        self._plans = weakref.WeakKeyDictionary()  # context -> {(device, CLOPS_CHECKED): {op's key: plan}}
+        self._hot = _NOT_HOT  # (weak context, device, CLOPS_CHECKED, weak table) of the last plan() call
         self._gen = tuning.generation()
         self._lock = threading.Lock()
 
@@ -112,6 +122,7 @@ class Spec:
             with self._lock:
                 self._params, self._gen = {}, gen
                 self._kernels, self._plans = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
+                self._hot = _NOT_HOT
 
     def params(self, dev, sc):
         """Render parameters for ``dev`` at ``sc`` (memoised until the tuning database changes)."""
@@ -147,12 +158,23 @@ class Spec:
         :meth:`params`, :meth:`kernels` and its own arithmetic would cost."""
         if tuning._generation[0] != self._gen:
             self._fresh()
-        per_ctx = self._plans.get(queue.context)
-        if per_ctx is not None:
-            found = per_ctx.get((queue.device, checked_enabled(), *key))
+        # The last call's table, when this call has the same context, device and checked switch (identity
+        # tests: pyopencl hands out one object per handle; another object for it takes the path below).
+        hot = self._hot
+        checked = _switches["checked"]
+        if hot[0]() is queue.context and hot[1] is queue.device and hot[2] is checked:
+            table = hot[3]()
+            found = table.get(key) if table is not None else None
             if found is not None:
                 return found
-        found = build(queue, *args)
-        with self._lock:
-            self._plans.setdefault(queue.context, {})[(queue.device, checked_enabled(), *key)] = found
+        dev = queue.device
+        per_ctx = self._plans.get(queue.context)
+        table = per_ctx.get((dev, checked)) if per_ctx is not None else None
+        found = table.get(key) if table is not None else None
+        if found is None:
+            found = build(queue, *args)
+        with self._lock:  # as _fresh's reset: a table it drops is not made hot again
+            table = self._plans.setdefault(queue.context, {}).setdefault((dev, checked), _Table())
+            table[key] = found
+            self._hot = (weakref.ref(queue.context), dev, checked, weakref.ref(table))
         return found
