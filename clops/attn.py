@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import typing
 
 import numpy as np
@@ -274,8 +273,7 @@ def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, 
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh), F32)],
                        [("q", q), ("k", k), ("v", v)], dtype=q.dtype)
-    # CLOPS_MMA is read per call (a dict lookup): the path may change between calls in one process.
-    knl, groups, scalars = FWD.plan(queue, (*call.key(), os.environ.get("CLOPS_MMA")), _fwd_plan, call)
+    knl, groups, scalars = FWD.plan(queue, (*call.key(), mma.mode()), _fwd_plan, call)
     cu = upload_sequences(queue, call.cu, call.n, allocator)
     args = [q.base_data, k.base_data, v.base_data, out.base_data, lse.base_data] + ([cu.base_data] if cu is not None else [])
     evt = knl(queue, groups, args + scalars, wait_for=events(wait_for, q, k, v, out, lse, cu))

@@ -13,7 +13,8 @@ keeps the portable kernel. At float32 storage the portable kernel stays the defa
 the H200 it is faster than the tf32x3 products so far. ``CLOPS_MMA=1`` takes the matrix units at
 every storage type (tf32x3 at float32), ``CLOPS_MMA=0`` none; ``CLOPS_MMA=fma`` runs the
 matrix-unit driver with the portable products on any device (how its tests check the driver on
-the CPU runtimes).
+the CPU runtimes). ``CLOPS_MMA`` is read when clops is imported (:func:`reload_switch` reads it
+again).
 """
 from __future__ import annotations
 
@@ -30,6 +31,20 @@ from .program import BuildError, kernels
 PRODUCTS = {"float": "tf32x3", "bf16": "bf16", "half": "f16"}  # storage type -> matrix-unit product
 _probed = {}  # device -> (ok, reason)
 _lock = threading.Lock()
+_mode = [""]  # CLOPS_MMA
+
+
+def reload_switch():
+    """Read ``CLOPS_MMA`` again: it is read when clops is imported, not at every op call."""
+    _mode[0] = os.environ.get("CLOPS_MMA", "")
+
+
+def mode():
+    """``CLOPS_MMA`` as read (or as :func:`using` sets it for a block)."""
+    return _mode[0]
+
+
+reload_switch()
 
 
 def _fragments(a, b):
@@ -97,7 +112,7 @@ def probe(device, context):
 def forward_product(queue, st):
     """(product or None, reason): the tile product of the attention forward at storage type ``st`` on
     ``queue``'s device (None: the portable kernel)."""
-    mode = os.environ.get("CLOPS_MMA", "")
+    mode = _mode[0]
     if mode == "0":
         return None, "CLOPS_MMA=0"
     if mode == "fma":
@@ -111,16 +126,12 @@ def forward_product(queue, st):
 
 
 @contextlib.contextmanager
-def using(product):
-    """The block's attention forwards take the matrix-unit driver with ``product`` ("fma", or the
-    device's own) where :func:`forward_product` allows it (how ``clops tune`` times the driver):
-    CLOPS_MMA set for the block, then restored. Not for threads that run ops meanwhile."""
-    before = os.environ.get("CLOPS_MMA")
-    os.environ["CLOPS_MMA"] = "fma" if product == "fma" else "1"
+def using(mode):
+    """Run the block as if ``CLOPS_MMA`` were ``mode`` ("0", "1" or "fma"; how ``clops tune`` and the
+    tests choose the forward's kernel), then restore it. Not for threads that run ops meanwhile."""
+    before = _mode[0]
+    _mode[0] = mode
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["CLOPS_MMA"]
-        else:
-            os.environ["CLOPS_MMA"] = before
+        _mode[0] = before

@@ -207,7 +207,7 @@ def _attention_fwd(queue, sc, pb):
 def _attention_fwd_mma(queue, sc, pb):
     """The forward on the matrix-unit driver with the tile products ``sc["product"]`` at storage
     ``sc["st"]`` (16-bit results: the relative L2 of their one rounding allowed, about 2⁻⁹)."""
-    with mma.using(sc["product"]):
+    with mma.using("fma" if sc["product"] == "fma" else "1"):
         taken = mma.forward_product(queue, sc["st"])[0]
     if taken != sc["product"]:
         raise ValueError(f"--class product={sc['product']}: the forward at st={sc['st']} takes {taken} on this device")
@@ -217,7 +217,7 @@ def _attention_fwd_mma(queue, sc, pb):
     pool = _pool(queue)
 
     def call():
-        with mma.using(sc["product"]):
+        with mma.using("fma" if sc["product"] == "fma" else "1"):
             return clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool)
 
     return Case(call, lambda: ref.attention(q, k, v, window=pb["window"]),

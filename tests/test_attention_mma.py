@@ -19,16 +19,15 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @pytest.fixture(params=["fma", "matrix units"])
-def product(request, queue, monkeypatch):
-    """The driver's tile products: the portable ones, or the device's matrix units (where the probe passes)."""
-    if request.param == "fma":
-        monkeypatch.setenv("CLOPS_MMA", "fma")
-    else:
-        monkeypatch.setenv("CLOPS_MMA", "1")  # float32 storage too (tf32x3)
+def product(request, queue):
+    """The driver's tile products: the portable ones, or the device's matrix units (where the probe passes;
+    float32 storage too, tf32x3)."""
+    if request.param != "fma":
         ok, why = mma.probe(queue.device, queue.context)
         if not ok:
             pytest.skip(f"no matrix units: {why}")
-    return request.param
+    with mma.using("fma" if request.param == "fma" else "1"):
+        yield request.param
 
 
 def _check(queue, n, nh, nkv, hd, dtype=np.float32, tiles=None, **kw):
@@ -98,21 +97,26 @@ def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw):
 
 
 def test_path_choice(queue, monkeypatch):
-    monkeypatch.setenv("CLOPS_MMA", "0")
-    assert mma.forward_product(queue, "float") == (None, "CLOPS_MMA=0")
-    monkeypatch.setenv("CLOPS_MMA", "fma")
-    assert mma.forward_product(queue, "bf16")[0] == "fma"
-    monkeypatch.setenv("CLOPS_MMA", "yes")
-    with pytest.raises(ValueError, match="CLOPS_MMA"):
+    with mma.using("0"):
+        assert mma.forward_product(queue, "float") == (None, "CLOPS_MMA=0")
+    with mma.using("fma"):
+        assert mma.forward_product(queue, "bf16")[0] == "fma"
+    with mma.using("yes"), pytest.raises(ValueError, match="CLOPS_MMA"):
         mma.forward_product(queue, "float")
-    monkeypatch.delenv("CLOPS_MMA")
+    monkeypatch.setenv("CLOPS_MMA", "0")  # read at import, and again by reload_switch
+    mma.reload_switch()
+    try:
+        assert mma.mode() == "0"
+    finally:
+        monkeypatch.delenv("CLOPS_MMA")
+        mma.reload_switch()
     ok, why = mma.probe(queue.device, queue.context)
     product, reason = mma.forward_product(queue, "bf16")
     assert mma.forward_product(queue, "float")[0] is None  # float32 keeps the portable kernel
     if "NVIDIA" in queue.device.platform.name.upper():
         assert ok and product == "bf16", why  # the probe must pass on NVIDIA's driver
-        monkeypatch.setenv("CLOPS_MMA", "1")
-        assert mma.forward_product(queue, "float")[0] == "tf32x3"
+        with mma.using("1"):
+            assert mma.forward_product(queue, "float")[0] == "tf32x3"
     else:
         assert not ok and product is None and reason == why and "not an NVIDIA device" in why
 

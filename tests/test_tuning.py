@@ -89,7 +89,7 @@ def _on_device(queue, fam, sc):
     the device's products, or the portable ones."""
     if "product" not in fam.shape_class:
         return sc
-    with mma.using("bf16"):
+    with mma.using("1"):
         return dict(sc, st="bf16", product=mma.forward_product(queue, "bf16")[0] or "fma")
 
 
