@@ -119,9 +119,11 @@ def memory_pool(queue):
 
 def _forget_pool(key):
     """The callback that drops ``_pool_by_id[key]`` when its context goes (not a later one's entry)."""
+    table = _pool_by_id  # held here: at interpreter exit the module's globals are None when it runs
+
     def forget(ref):  # no lock: it may run while _release_completed holds _pool_lock, and the id is not
-        if _pool_by_id.get(key, (None,))[0] is ref:  # reused before the context's callbacks have run
-            _pool_by_id.pop(key, None)
+        if table.get(key, (None,))[0] is ref:  # reused before the context's callbacks have run
+            table.pop(key, None)
     return forget
 
 
