@@ -2,6 +2,7 @@
 import ml_dtypes
 import numpy as np
 import pyopencl.array as cla
+import pytest
 
 
 def to_device(queue, *arrays):
@@ -10,6 +11,14 @@ def to_device(queue, *arrays):
 
 
 NARROW = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]  # the 16-bit storage dtypes
+
+
+def expect_pocl6_fault(request, device, what):
+    """Mark the running test an expected failure on PoCL 6.0, a known fault of that runtime's build of
+    ``what`` (the README's known limitations): it still runs, and passes everywhere else."""
+    if "PoCL 6." in device.platform.version:
+        request.node.add_marker(pytest.mark.xfail(reason=f"PoCL 6.0 computes {what} wrong (README: known "
+                                                         "limitations)", strict=False))
 
 
 def narrow_ulps(dtype, f32_tol):
