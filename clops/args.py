@@ -58,6 +58,11 @@ def storage(dtype):
     return _STORAGE[dtype]
 
 
+def storage_dtype(st):
+    """The float dtype of storage type name ``st`` (the inverse of :func:`storage`)."""
+    return next(dt for dt, name in _STORAGE.items() if name == st)
+
+
 def check_array(name, arr, queue, shape=None, ndim=None, dtype=F32, like=None):
     """Require a C-contiguous ``pyopencl.array.Array`` of ``dtype`` (float32 unless told; a tuple: any
     of them) on ``queue``'s context, zero offset (of ``shape``, a tuple, or of ``ndim`` dimensions,
@@ -143,15 +148,12 @@ def check_allocator(allocator):
 
 def _buffer(queue, nbytes, allocator):
     """(a buffer of at least ``nbytes`` from ``allocator`` or the context's pool, the allocator used)."""
-    if allocator is None:  # the context's pool: its buffers are of the size asked for
-        alloc = memory_pool(queue)
-        buf = alloc(nbytes)
-    else:
-        alloc = allocator
-        buf = alloc(nbytes)
-        if not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes:
-            got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
-            raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
+    alloc = memory_pool(queue) if allocator is None else allocator
+    buf = alloc(nbytes)
+    # the context's pool returns buffers of the size asked for; a given allocator is checked
+    if allocator is not None and (not isinstance(buf, cl.MemoryObjectHolder) or buf.size < nbytes):
+        got = f"{buf.size} bytes" if isinstance(buf, cl.MemoryObjectHolder) else type(buf).__name__
+        raise TypeError(f"allocator: asked for {nbytes} bytes, returned {got}")
     if host_observers:
         note(queue, "buffers")
         note(queue, "buffer_bytes", nbytes)

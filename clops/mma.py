@@ -22,10 +22,10 @@ import contextlib
 import os
 import threading
 
-import ml_dtypes
 import numpy as np
 import pyopencl as cl
 
+from .args import storage_dtype
 from .program import BuildError, kernels
 
 PRODUCTS = {"float": "tf32x3", "bf16": "bf16", "half": "f16"}  # storage type -> matrix-unit product
@@ -67,11 +67,12 @@ def _fragments(a, b):
     return np.ascontiguousarray(fa), np.ascontiguousarray(fb), (rows, cols)
 
 
-def _probe_one(queue, kind):
-    """None if the ``kind`` product builds on ``queue``'s device and gives A·B of a known tile; else why not."""
+def _probe_one(queue, st, kind):
+    """None if the ``kind`` product (of storage type ``st``) builds on ``queue``'s device and gives A·B of
+    a known tile; else why not."""
     rng = np.random.default_rng(7)
     k = 8 if kind == "tf32x3" else 16
-    dtype = {"tf32x3": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[kind]
+    dtype = storage_dtype(st)
     a = rng.standard_normal((16, k)).astype(dtype)
     b = rng.standard_normal((k, 8)).astype(dtype)
     fa, fb, (rows, cols) = _fragments(a, b)
@@ -103,7 +104,7 @@ def probe(device, context):
             found = (False, "not an NVIDIA device (the matrix-unit products are NVIDIA PTX)")
         else:
             queue = cl.CommandQueue(context, device)  # its own queue: the caller's may be gated
-            wrong = [why for why in (_probe_one(queue, kind) for kind in PRODUCTS.values()) if why]
+            wrong = [why for why in (_probe_one(queue, st, kind) for st, kind in PRODUCTS.items()) if why]
             found = (False, "probe failed: " + "; ".join(wrong)) if wrong else (True, "NVIDIA, probe passed")
         _probed[device] = found
         return found

@@ -129,12 +129,8 @@ def _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen):
     return half, window, None, rope
 
 
-def _kernel(queue, name, units, hd, half, st="float", wst="float", varlen=0):
-    """(params, kernel, units as its index type): one memo lookup when warm."""
-    return SPEC.plan(queue, (name, units, hd, half, st, wst, varlen), _plan, name, units, hd, half, st, wst, varlen)
-
-
-def _plan(queue, name, units, hd, half, st, wst, varlen):
+def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
+    """(params, kernel, units as its index type), built (the ops reach it through _launch's memo)."""
     sc = {"hd": hd}
     p = SPEC.params(queue.device, sc)
     idx = index_type(units * hd + p["rb"] * hd)

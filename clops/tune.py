@@ -41,7 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -51,6 +50,7 @@ import clops
 
 from . import attn, elementwise, embed, loss, mma, norm, optim, qk_rope, runtime, tuning
 from . import reference as ref
+from .args import storage_dtype
 from .profile import Profile, measure
 from .program import KERNEL_DIR
 from .spec import Spec
@@ -207,17 +207,17 @@ def _attention_fwd(queue, sc, pb):
 def _attention_fwd_mma(queue, sc, pb):
     """The forward on the matrix-unit driver with the tile products ``sc["product"]`` at storage
     ``sc["st"]`` (16-bit results: the relative L2 of their one rounding allowed, about 2⁻⁹)."""
-    with mma.using("fma" if sc["product"] == "fma" else "1"):
+    mode = "fma" if sc["product"] == "fma" else "1"
+    with mma.using(mode):
         taken = mma.forward_product(queue, sc["st"])[0]
     if taken != sc["product"]:
         raise ValueError(f"--class product={sc['product']}: the forward at st={sc['st']} takes {taken} on this device")
-    dtype = {"float": np.float32, "half": np.float16, "bf16": ml_dtypes.bfloat16}[sc["st"]]
-    q, k, v = (x.astype(dtype) for x in _attention_data(pb, sc["hd"]))
+    q, k, v = (x.astype(storage_dtype(sc["st"])) for x in _attention_data(pb, sc["hd"]))
     dq, dk, dv = _upload(queue, q, k, v)
     pool = _pool(queue)
 
     def call():
-        with mma.using("fma" if sc["product"] == "fma" else "1"):
+        with mma.using(mode):
             return clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool)
 
     return Case(call, lambda: ref.attention(q, k, v, window=pb["window"]),

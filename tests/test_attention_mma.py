@@ -127,7 +127,7 @@ def test_probe_rejects_a_wrong_tile(queue, monkeypatch):
         pytest.skip("no matrix units here")
     real = mma._fragments
     monkeypatch.setattr(mma, "_fragments", lambda a, b: (real(a, b)[0][::-1].copy(), *real(a, b)[1:]))
-    assert "wrong" in mma._probe_one(queue, "bf16")
+    assert "wrong" in mma._probe_one(queue, "bf16", "bf16")
 
 
 def test_info_names_the_attention_path(capsys):

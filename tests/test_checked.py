@@ -81,9 +81,9 @@ def _rms_norm_rows(queue, small=3, big=40, d=64):
 
 def _qk_units(queue, small=4, big=50, hd=32, heads=2):
     """qk_norm_rope_fwd told of 50 units, given buffers of 4."""
-    from clops.qk_rope import _kernel
+    from clops.qk_rope import _plan
 
-    p, knl, units = _kernel(queue, "qk_norm_rope_fwd", big, hd, 0)
+    p, knl, units = _plan(queue, "qk_norm_rope_fwd", big, hd, 0)
     bufs = [_zeros(queue, small, hd), _zeros(queue, small), _zeros(queue, small, hd), _zeros(queue, hd)]
     args = [b.data for b in bufs] + [units, np.uint32(heads), np.uint32(1), np.float32(1e-6), np.float32(1)]
     return knl, (-(-big // p["upg"]),), args

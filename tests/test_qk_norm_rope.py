@@ -250,7 +250,7 @@ def test_checked_build_catches_a_table_read_past_its_end(queue, monkeypatch):
     x, w, _ = _data(5, 1, 16)
     X, W, R = to_device(queue, x, w, ref.rope_table(2, 8))
     y, inv = cla.empty(queue, x.shape, np.float32), cla.empty(queue, (5, 1), np.float32)
-    p, knl, units = qkr._kernel(queue, "qk_norm_rope_fwd", 5, 16, 8)
+    p, knl, units = qkr._plan(queue, "qk_norm_rope_fwd", 5, 16, 8)
     args = [y.data, inv.data, X.data, W.data, R.data, units, np.uint32(1), np.uint32(5), np.float32(1e-6),
             np.float32(1)]
     with pytest.raises(OutOfBoundsError, match=r"qk_norm_rope_fwd .*rope\["):
