@@ -49,7 +49,7 @@ def _check(queue, n, nh, nkv, hd, dtype=np.float32, tiles=None, **kw):
     return o.get()
 
 
-@pytest.mark.parametrize("hd", [8, 40, 64, 128, 256])
+@pytest.mark.parametrize("hd", [8, 40, 128, 256])  # 64: the window and storage tests below
 def test_head_dims(queue, product, hd):
     _check(queue, 74, 4, 2, hd, window=37)
 
