@@ -52,37 +52,6 @@ ${common.guards()}\
 ${common.storage(st)}\
 ${tp.decls(kind, st)}\
 
-## Fetch rows r0 .. r0 + BK - 1 of src (K or V of the kv head) into registers x[KN] (16 bytes a
-## vector; rows past T read as zero), one step before they are staged.
-<%def name="fetch(x, src, r0)">
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG, r = e / (HD / PER), cv = e % (HD / PER);
-            ${x}[u] = (${ev})(0);
-            if (e < BK * (HD / PER) && ${r0} + r < T)
-                ${x}[u] = *(__global const ${ev} *)(${src} + ${at(src, "kbase + (idx_t)(%s + r) * kstride + cv * PER" % r0, per)});
-        }
-</%def>
-
-## Stage the fetched x[KN] in dst[key * KS + d]; `flag`: set it when a value is NaN or ±Inf.
-<%def name="put(x, dst, flag=None)">
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG;
-            if (e < BK * (HD / PER)) {
-                *(__local ${ev} *)(${dst} + e / (HD / PER) * KS + e % (HD / PER) * PER) = ${x}[u];
-% if flag:
-<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
-% if narrow:
-                if (any((${x}[u] & ${mask}) == ${mask}) || any(((${x}[u] >> 16) & ${mask}) == ${mask})) ${flag} = 1;
-% else:
-                if (any(isinf(${x}[u])) || any(isnan(${x}[u]))) ${flag} = 1;
-% endif
-% endif
-            }
-        }
-</%def>
-
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,
                    __global const ${et} *restrict v, __global ${et} *restrict o, __global float *restrict lse,${"""
@@ -127,14 +96,14 @@ ${tp.load_q(kind, st)}\
     // (Q·Kᵀ came before it), and after the one that follows K's no warp reads V or the flag of the
     // block before.
     ${ev} kr[KN], vr[KN];
-    ${fetch("kr", "k", "%s * BK" % kb_first if kb_first != "0" else "0")}
+    ${tp.fetch(st, "kr", "k", "%s * BK" % kb_first if kb_first != "0" else "0")}
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
-    ${put("kr", "kst")}
+    ${tp.put(st, "kr", "kst")}
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
-        ${fetch("vr", "v", "k0")}
+        ${tp.fetch(st, "vr", "v", "k0")}
 
         float s[BK / 8][4];
         #pragma unroll
@@ -183,10 +152,10 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             }
         }
 
-        ${put("vr", "vst", "nonfinite[kb & 1]" if edges else None)}
+        ${tp.put(st, "vr", "vst", "nonfinite[kb & 1]" if edges else None)}
         barrier(CLK_LOCAL_MEM_FENCE);
         if (kb + 1 < nkb) {
-            ${fetch("kr", "k", "k0 + BK")}
+            ${tp.fetch(st, "kr", "k", "k0 + BK")}
         }
 % if edges:
         if ((${" || ".join(edges)}) && nonfinite[kb & 1]) {
@@ -198,7 +167,7 @@ ${tp.pv(kind, st, False, visible)}\
 ${tp.pv(kind, st, False, visible)}\
 % endif
         if (kb + 1 < nkb) {
-            ${put("kr", "kst")}
+            ${tp.put(st, "kr", "kst")}
         }
     }
 

@@ -93,41 +93,44 @@ inline uint pack2(float lo, float hi)
 % endif
 </%def>
 
-## The Q operand of the warp's 16 rows (row0 = its first row in the sequence), before the key loop.
-## Head-dim columns are permuted inside each k-step (the sum Q·Kᵀ does not care) so that a lane's
-## two B words of K are adjacent in local memory: one 64-bit load. tf32x3: mma k-index t is column
-## 2t, t + 4 is 2t + 1; 16-bit: k-index pair (2t, 2t + 1) is columns 4t, 4t + 1, (2t + 8, 2t + 9)
-## is 4t + 2, 4t + 3.
-<%def name="load_q(kind, st)">\
+## The A operand of the warp's 16 rows (row0 = its first row in the sequence), before the block
+## loop: rows of `src` from `base` with row stride `stride` (the forward's Q; the backward's dO, K,
+## V), held in `frag`. Head-dim columns are permuted inside each k-step (a sum over them does not
+## care) so that a lane's two B words are adjacent in local memory: one 64-bit load. tf32x3: mma
+## k-index t is column 2t, t + 4 is 2t + 1; 16-bit: k-index pair (2t, 2t + 1) is columns 4t,
+## 4t + 1, (2t + 8, 2t + 9) is 4t + 2, 4t + 3.
+<%def name="load_q(kind, st, frag='qf', src='q', base='qbase', stride='qstride')">\
 % if kind == "bf16" or kind == "f16":
-    uint qf[HD16][4];  // A fragments, 16 columns a step; columns past HD are zero
+    uint ${frag}[HD16][4];  // A fragments, 16 columns a step; columns past HD are zero
     #pragma unroll
     for (int s = 0; s < HD16; ++s) {
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const uint r = row0 + g + 8 * e, d = s * 16 + 4 * t;
-            const uint2 x = (r < T && d < HD) ? *(__global const uint2 *)(q + ${at("q", "qbase + (idx_t)r * qstride + d", 4)}) : (uint2)(0u);
-            qf[s][e] = x.x;
-            qf[s][2 + e] = x.y;
+            const uint2 x = (r < T && d < HD) ? *(__global const uint2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 4)}) : (uint2)(0u);
+            ${frag}[s][e] = x.x;
+            ${frag}[s][2 + e] = x.y;
         }
     }
 % elif kind == "tf32x3":
-    float qf[HD / 8][4];  // A fragments, 8 columns a step (split when used)
+    float ${frag}[HD / 8][4];  // A fragments, 8 columns a step (split when used)
     #pragma unroll
     for (int s = 0; s < HD / 8; ++s) {
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const uint r = row0 + g + 8 * e;
-            const float2 x = r < T ? *(__global const float2 *)(q + ${at("q", "qbase + (idx_t)r * qstride + s * 8 + 2 * t", 2)}) : (float2)(0.0f);
-            qf[s][e] = x.x;
-            qf[s][2 + e] = x.y;
+            const float2 x = r < T ? *(__global const float2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + s * 8 + 2 * t" % (base, stride), 2)}) : (float2)(0.0f);
+            ${frag}[s][e] = x.x;
+            ${frag}[s][2 + e] = x.y;
         }
     }
 % endif
 </%def>
 
-## s[BK/8][4] += Q·Kᵀ with K staged in ks[key * KS + d] (the driver's names: q, qbase, qstride, row0, T).
-<%def name="qk(kind, st)">\
+## out[BK/8][4] += A·Bᵀ, A the warp's rows of load_q (`frag`; the portable kind reads them from
+## `src` at `base`, row stride `stride`), B staged in bs[key * KS + d] (the driver's row0, T): the
+## forward's S = Q·Kᵀ; the backward's dP = dO·Vᵀ, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
+<%def name="qk(kind, st, out='s', frag='qf', bs='ks', src='q', base='qbase', stride='qstride')">\
 % if kind == "fma":
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
@@ -137,9 +140,9 @@ inline uint pack2(float lo, float hi)
                 float dot = 0.0f;
                 if (r < T) {
                     for (int d = 0; d < HD; ++d)
-                        dot = fma(${widen(st, "q[%s]" % at("q", "qbase + (idx_t)r * qstride + d"))}, ${widen(st, "ks[key * KS + d]")}, dot);
+                        dot = fma(${widen(st, "%s[%s]" % (src, at(src, "%s + (idx_t)r * %s + d" % (base, stride))))}, ${widen(st, "%s[key * KS + d]" % bs)}, dot);
                 }
-                s[j][e] += dot;
+                ${out}[j][e] += dot;
             }
         }
 % elif kind == "tf32x3":
@@ -147,16 +150,16 @@ inline uint pack2(float lo, float hi)
         for (int s8 = 0; s8 < HD / 8; ++s8) {
             uint ah[4], al[4];
             #pragma unroll
-            for (int e = 0; e < 4; ++e) split(qf[s8][e], &ah[e], &al[e]);
+            for (int e = 0; e < 4; ++e) split(${frag}[s8][e], &ah[e], &al[e]);
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
-                const float2 b = *(const __local float2 *)(ks + (8 * j + g) * KS + s8 * 8 + 2 * t);
+                const float2 b = *(const __local float2 *)(${bs} + (8 * j + g) * KS + s8 * 8 + 2 * t);
                 uint bh[2], bl[2];
                 split(b.x, &bh[0], &bl[0]);
                 split(b.y, &bh[1], &bl[1]);
-                mma_tf32(s[j], al[0], al[1], al[2], al[3], bh[0], bh[1]);
-                mma_tf32(s[j], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-                mma_tf32(s[j], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+                mma_tf32(${out}[j], al[0], al[1], al[2], al[3], bh[0], bh[1]);
+                mma_tf32(${out}[j], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+                mma_tf32(${out}[j], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
             }
         }
 % else:
@@ -165,8 +168,8 @@ inline uint pack2(float lo, float hi)
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 // the row's padding past HD is never staged: read as zero
-                const uint2 b = s16 * 16 + 4 * t < HD ? *(const __local uint2 *)(ks + (8 * j + g) * KS + s16 * 16 + 4 * t) : (uint2)(0u);
-                mma16(s[j], qf[s16][0], qf[s16][1], qf[s16][2], qf[s16][3], b.x, b.y);
+                const uint2 b = s16 * 16 + 4 * t < HD ? *(const __local uint2 *)(${bs} + (8 * j + g) * KS + s16 * 16 + 4 * t) : (uint2)(0u);
+                mma16(${out}[j], ${frag}[s16][0], ${frag}[s16][1], ${frag}[s16][2], ${frag}[s16][3], b.x, b.y);
             }
         }
 % endif
@@ -196,15 +199,16 @@ inline uint pack2(float lo, float hi)
 % endif
 </%def>
 
-## acc[HD/8][4] += P·V, P = s[BK/8][4] (accumulator layout), V staged in vs[key * KS + col].
-## `masked`: the exact form for blocks whose masked keys may hold a non-finite V: a key a row
-## does not see (visible(row, key) false) is skipped, not multiplied by its zero P.
-<%def name="pv(kind, st, masked, visible)">\
+## acc[HD/8][4] += P·V, P = p[BK/8][4] (accumulator layout), V staged in bs[key * KS + col]: the
+## forward's O += P·V; the backward's dQ += dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q. `masked`: the exact
+## form for blocks whose masked keys may hold a non-finite V: a key a row does not see
+## (visible(row, c0 + key) false) is skipped, not multiplied by its zero P.
+<%def name="pv(kind, st, masked, visible, p='s', acc='acc', bs='vs', c0='k0')">\
 % if kind == "fma":
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
             #pragma unroll
-            for (int e = 0; e < 4; ++e) pl[(wi * 16 + g + (e >> 1) * 8) * BK + 8 * j + 2 * t + (e & 1)] = s[j][e];
+            for (int e = 0; e < 4; ++e) pl[(wi * 16 + g + (e >> 1) * 8) * BK + 8 * j + 2 * t + (e & 1)] = ${p}[j][e];
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         #pragma unroll
@@ -212,12 +216,12 @@ inline uint pack2(float lo, float hi)
             const uint rl = wi * 16 + g + (e >> 1) * 8, r = row0 + g + (e >> 1) * 8;
             for (int key = 0; key < BK; ++key) {
 % if masked:
-                if (!(${visible("r", "k0 + key")})) continue;
+                if (!(${visible("r", "%s + key" % c0)})) continue;
 % endif
                 const float pk = pl[rl * BK + key];
                 #pragma unroll
                 for (int n = 0; n < HD / 8; ++n)
-                    acc[n][e] = fma(pk, ${widen(st, "vs[key * KS + 8 * n + 2 * t + (e & 1)]")}, acc[n][e]);
+                    ${acc}[n][e] = fma(pk, ${widen(st, "%s[key * KS + 8 * n + 2 * t + (e & 1)]" % bs)}, ${acc}[n][e]);
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -231,15 +235,15 @@ inline uint pack2(float lo, float hi)
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
                     const uint key = 8 * j + 2 * tp + x, src = (lane & ~3u) | tp;
-                    const float pg = lane_value(s[j][x], src), pg8 = lane_value(s[j][2 + x], src);
-                    const bool seen = ${visible("row0 + g", "k0 + key")}, seen8 = ${visible("row0 + g + 8", "k0 + key")};
+                    const float pg = lane_value(${p}[j][x], src), pg8 = lane_value(${p}[j][2 + x], src);
+                    const bool seen = ${visible("row0 + g", "%s + key" % c0)}, seen8 = ${visible("row0 + g + 8", "%s + key" % c0)};
                     #pragma unroll
                     for (int n = 0; n < HD / 8; ++n) {
                         #pragma unroll
                         for (int c = 0; c < 2; ++c) {
-                            const float vv = ${widen(st, "vs[key * KS + 8 * n + 2 * t + c]")};
-                            if (seen) acc[n][c] = fma(pg, vv, acc[n][c]);
-                            if (seen8) acc[n][2 + c] = fma(pg8, vv, acc[n][2 + c]);
+                            const float vv = ${widen(st, "%s[key * KS + 8 * n + 2 * t + c]" % bs)};
+                            if (seen) ${acc}[n][c] = fma(pg, vv, ${acc}[n][c]);
+                            if (seen8) ${acc}[n][2 + c] = fma(pg8, vv, ${acc}[n][2 + c]);
                         }
                     }
                 }
@@ -251,32 +255,66 @@ inline uint pack2(float lo, float hi)
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
             uint ah[4], al[4];
-            split(s[j][0], &ah[0], &al[0]);
-            split(s[j][2], &ah[1], &al[1]);
-            split(s[j][1], &ah[2], &al[2]);
-            split(s[j][3], &ah[3], &al[3]);
+            split(${p}[j][0], &ah[0], &al[0]);
+            split(${p}[j][2], &ah[1], &al[1]);
+            split(${p}[j][1], &ah[2], &al[2]);
+            split(${p}[j][3], &ah[3], &al[3]);
             #pragma unroll
             for (int n = 0; n < HD / 8; ++n) {
-                const float2 b = (float2)(vs[(8 * j + 2 * t) * KS + 8 * n + g], vs[(8 * j + 2 * t + 1) * KS + 8 * n + g]);
+                const float2 b = (float2)(${bs}[(8 * j + 2 * t) * KS + 8 * n + g], ${bs}[(8 * j + 2 * t + 1) * KS + 8 * n + g]);
                 uint bh[2], bl[2];
                 split(b.x, &bh[0], &bl[0]);
                 split(b.y, &bh[1], &bl[1]);
-                mma_tf32(acc[n], al[0], al[1], al[2], al[3], bh[0], bh[1]);
-                mma_tf32(acc[n], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-                mma_tf32(acc[n], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+                mma_tf32(${acc}[n], al[0], al[1], al[2], al[3], bh[0], bh[1]);
+                mma_tf32(${acc}[n], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+                mma_tf32(${acc}[n], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
             }
         }
 % else:
         #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            const uint a0 = pack2(s[2 * kk][0], s[2 * kk][1]), a1 = pack2(s[2 * kk][2], s[2 * kk][3]);
-            const uint a2 = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), a3 = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const uint a0 = pack2(${p}[2 * kk][0], ${p}[2 * kk][1]), a1 = pack2(${p}[2 * kk][2], ${p}[2 * kk][3]);
+            const uint a2 = pack2(${p}[2 * kk + 1][0], ${p}[2 * kk + 1][1]), a3 = pack2(${p}[2 * kk + 1][2], ${p}[2 * kk + 1][3]);
             #pragma unroll
             for (int n = 0; n < HD / 8; ++n) {
-                const __local ushort *c = vs + (16 * kk + 2 * t) * KS + 8 * n + g;
+                const __local ushort *c = ${bs} + (16 * kk + 2 * t) * KS + 8 * n + g;
                 const uint2 b = (uint2)((uint)c[0] | ((uint)c[KS] << 16), (uint)c[8 * KS] | ((uint)c[9 * KS] << 16));
-                mma16(acc[n], a0, a1, a2, a3, b.x, b.y);
+                mma16(${acc}[n], a0, a1, a2, a3, b.x, b.y);
             }
         }
 % endif
+</%def>
+
+## Staging, shared by the drivers. Rows r0 .. r0 + BK - 1 of src (from `base`, row stride `stride`)
+## fetched into registers x[KN] (16 bytes a vector; rows past T read as zero), one step before
+## they are staged.
+<%def name="fetch(st, x, src, r0, base='kbase', stride='kstride')">
+<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
+        #pragma unroll
+        for (int u = 0; u < KN; ++u) {
+            const uint e = lid + u * WG, r = e / (HD / ${per}), cv = e % (HD / ${per});
+            ${x}[u] = (${ev})(0);
+            if (e < BK * (HD / ${per}) && ${r0} + r < T)
+                ${x}[u] = *(__global const ${ev} *)(${src} + ${at(src, "%s + (idx_t)(%s + r) * %s + cv * %d" % (base, r0, stride, per), per)});
+        }
+</%def>
+
+## Stage the fetched x[KN] in dst[row * KS + d]; `flag`: set it when a value is NaN or ±Inf.
+<%def name="put(st, x, dst, flag=None)">
+<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
+        #pragma unroll
+        for (int u = 0; u < KN; ++u) {
+            const uint e = lid + u * WG;
+            if (e < BK * (HD / ${per})) {
+                *(__local ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per}) = ${x}[u];
+% if flag:
+<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
+% if st != "float":
+                if (any((${x}[u] & ${mask}) == ${mask}) || any(((${x}[u] >> 16) & ${mask}) == ${mask})) ${flag} = 1;
+% else:
+                if (any(isinf(${x}[u])) || any(isnan(${x}[u]))) ${flag} = 1;
+% endif
+% endif
+            }
+        }
 </%def>

@@ -461,6 +461,44 @@ BWD = {
 }
 
 
+# The matrix-unit backward: attention_bwd_mma.cl.mako, two passes, each its own spec ("dq" first: it
+# also stores D for "dkv"), with the forward's tile products (clops.mma.backward_product). Op names
+# in the tuning database "attention_bwd_mma_dq" and "attention_bwd_mma_dkv", shape class
+# {"hd", "st", "product"}. Their parameters:
+#   nw  warps of 32 work-items per group, each on 16 rows (query rows in dq, keys in dkv);
+#   bk  the staged block: keys (dq) or query rows (dkv), a multiple of 16.
+# Local memory: as the forward's, plus 8·bk bytes in dkv (the block's lse and D).
+
+def _bwd_mma_local_bytes(pass_):
+    def local_bytes(p, sc):
+        return _mma_local_bytes(p, sc) + (8 * p["bk"] if pass_ == "dkv" else 0)
+
+    return local_bytes
+
+
+def _bwd_mma_heuristic(pass_):
+    def heuristic(dev, sc):
+        if not dev.type & cl.device_type.GPU:
+            return {"nw": 2, "bk": 16}
+        p = {"nw": 4, "bk": 64 if pass_ == "dq" else 32}
+        while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
+            p["bk"] //= 2
+        return p
+
+    return heuristic
+
+
+BWD_MMA = {pass_: Spec(
+    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk"),
+    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64]}, _bwd_mma_heuristic(pass_),
+    rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),),
+    wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
+    render=lambda p, sc, pass_=pass_: {**PLAIN, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
+                                       "pass_": pass_},
+    doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
+    for pass_ in ("dq", "dkv")}
+
+
 def ds_scratch_floats(call):
     """Floats of the dS scratch of the stored way: the causal triangle of each window and head; with
     a variant, R floats per (token, head), R the longest row a query can see (see the template)."""
@@ -487,6 +525,7 @@ class _BwdPlan:
     dq: object  # attn_bwd_dqs (dS stored) or attn_bwd_dq
     q_groups: tuple
     q_scalars: list
+    store_ds: bool
 
 
 def _bwd_plan(queue, call, store_ds, floats):
@@ -503,7 +542,41 @@ def _bwd_plan(queue, call, store_ds, floats):
                     kv_knl["attn_bwd_dkv"], (-(-call.T // pk["bk"]) * call.nseq * call.nkv,),
                     geom + coefs + call.variant_args(),
                     q_knl["attn_bwd_" + qkind], (-(-call.T // pq["bq"]) * call.nseq * call.nh,),
-                    geom + call.variant_args(softcap=False) if store_ds else geom + coefs + call.variant_args())
+                    geom + call.variant_args(softcap=False) if store_ds else geom + coefs + call.variant_args(),
+                    store_ds)
+
+
+def _bwd_route(queue, call, store_ds, floats):
+    """The backward's plan: the matrix-unit passes when ``store_ds`` is None and the device's product
+    allows (clops.mma.backward_product), else the portable passes, dS stored as ``store_ds`` (None:
+    store_ds_default) says."""
+    if store_ds is None:
+        product, _ = mma.backward_product(queue, call.st)
+        if product is not None:
+            return _bwd_mma_plan(queue, call, product)
+        store_ds = store_ds_default(queue.device, 4 * floats)
+    return _bwd_plan(queue, call, store_ds, floats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdMmaPlan:
+    """The matrix-unit backward's two kernels, grids and scalar arguments for one call's key."""
+    dq: object
+    q_groups: tuple
+    dkv: object
+    kv_groups: tuple
+    scalars: list  # after the buffers (and cu_seqlens), both passes
+
+
+def _bwd_mma_plan(queue, call, product):
+    sc = {"hd": call.hd, "st": call.st, "product": product}
+    idx = index_type(call.n * call.nh * call.hd)
+    pq, q_knl = BWD_MMA["dq"].kernels(queue, sc, idx=idx, **call.extra())
+    pk, kv_knl = BWD_MMA["dkv"].kernels(queue, sc, idx=idx, **call.extra())
+    scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0],
+               np.float32(call.scale)] + call.variant_args()
+    return _BwdMmaPlan(q_knl["attn_bwd_dq"], (call.nh, call.nseq, -(-call.T // (16 * pq["nw"]))),
+                       kv_knl["attn_bwd_dkv"], (call.nkv, call.nseq, -(-call.T // (16 * pk["nw"]))), scalars)
 
 
 def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True,
@@ -517,37 +590,46 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     windows: ``4·windows·nh·window·(window + 1)/2`` bytes; otherwise ``4·n·nh·R``, R the
     longest row of keys a query sees: the sliding window W causal, 2W − 1 not, else the
     window or max_seqlen) and dQ is computed from it; False, the dQ pass recomputes it
-    (no scratch, more arithmetic); None (default): stored when the scratch takes at most
-    an eighth of the device's global memory and fits one allocation
-    (CL_DEVICE_MAX_MEM_ALLOC_SIZE).
+    (no scratch, more arithmetic). Both choose the portable kernels. None (default): the
+    matrix-unit backward where the forward takes the matrix units (:mod:`clops.mma`; it
+    recomputes dS), else the portable one, dS stored when the scratch takes at most an
+    eighth of the device's global memory and fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE).
     """
     call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     check_array("o", o, queue, shape=q.shape, dtype=q.dtype, like="q")
     check_array("lse", lse, queue, shape=(n, nh))
     check_array("do", do, queue, shape=q.shape, dtype=q.dtype, like="q")
-    dev = queue.device
     floats = ds_scratch_floats(call)
-    if store_ds is None:
-        store_ds = store_ds_default(dev, 4 * floats)
-    elif not isinstance(store_ds, bool):
+    if store_ds is not None and not isinstance(store_ds, bool):
         raise TypeError(f"store_ds: expected True, False or None, got {store_ds!r}")
-    elif store_ds and 4 * floats > dev.max_mem_alloc_size:
+    if store_ds and 4 * floats > queue.device.max_mem_alloc_size:
         raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
-                         f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({dev.max_mem_alloc_size})")
+                         f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({queue.device.max_mem_alloc_size})")
     dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
                          [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)], dtype=q.dtype)
-    plan = BWD["dkv"].plan(queue, (*call.key(), store_ds), _bwd_plan, call, store_ds, floats)
+    plan = BWD["dkv"].plan(queue, (*call.key(), store_ds, mma.mode()), _bwd_route, call, store_ds, floats)
     cu = upload_sequences(queue, call.cu, call.n, allocator)
     seqs = [cu.base_data] if cu is not None else []
     dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
-    stored = [scratch(queue, floats, allocator)] if store_ds else []  # dS
+    if isinstance(plan, _BwdMmaPlan):  # dq first: it stores D for dkv
+        e_q = plan.dq(queue, plan.q_groups, [q.base_data, k.base_data, v.base_data, o.base_data, do.base_data,
+                                             lse.base_data, dsum, dq.base_data] + seqs + plan.scalars,
+                      wait_for=events(wait_for, q, k, v, o, do, lse, dq, cu))
+        e_kv = plan.dkv(queue, plan.kv_groups, [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data,
+                                                dsum, dk.base_data, dv.base_data] + seqs + plan.scalars,
+                        wait_for=[e_q] + events(None, dk, dv))
+        hold([e_kv], q, k, v, o, lse, do, dq, dk, dv, dsum, cu)
+        wrote([e_kv], dk, dv)
+        wrote([e_q], dq)
+        return dq, dk, dv
+    stored = [scratch(queue, floats, allocator)] if plan.store_ds else []  # dS
     e_sum = plan.dsum(queue, plan.dsum_groups, [o.base_data, do.base_data, dsum, np.uint32(n * nh)],
                       wait_for=events(wait_for, o, do))
     ins = [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data, dsum]
     e_kv = plan.dkv(queue, plan.kv_groups, ins + [dk.base_data, dv.base_data] + stored + seqs + plan.kv_scalars,
                     wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, cu))
-    if store_ds:
+    if plan.store_ds:
         e_q = plan.dq(queue, plan.q_groups, [k.base_data, stored[0], dq.base_data] + seqs + plan.q_scalars,
                       wait_for=[e_kv] + events(None, dq))
     else:

@@ -1,9 +1,12 @@
-"""The matrix-unit attention forward (attention_fwd_mma.cl.mako) against the float64 reference.
+"""The matrix-unit attention forward (attention_fwd_mma.cl.mako) and backward
+(attention_bwd_mma.cl.mako) against the float64 reference.
 
-Its driver runs with the portable tile products (``CLOPS_MMA=fma``) on every device, and with the
+Each driver runs with the portable tile products (``CLOPS_MMA=fma``) on every device, and with the
 matrix-unit products where the probe passes (NVIDIA), at the tolerances of tests/test_attention.py
-(float32 storage: 3xTF32 keeps them) and tests/test_attention_narrow.py (16-bit storage). On
-NVIDIA the other attention tests run the matrix-unit path too: it is the default there.
+(float32 storage: 3xTF32 keeps them), tests/test_attention_bwd.py and tests/test_attention_narrow.py
+(16-bit storage). On NVIDIA the other attention tests run the matrix-unit forward too: it is the
+default there at 16-bit storage (their backward tests name ``store_ds``, which takes the portable
+backward; ``store_ds=None`` takes the matrix units).
 """
 import ml_dtypes
 import numpy as np
@@ -11,9 +14,11 @@ import pytest
 
 import clops
 from clops import mma, reference as ref, tuning
-from clops.attn import FWD_MMA
+from clops.attn import BWD_MMA, FWD_MMA
 from helpers import assert_storage_close, to_device
 from test_attention import LSE_TOL, O_TOL
+from test_attention_bwd import TOL
+from test_attention_narrow import _grad_scale
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -96,11 +101,84 @@ def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw):
     assert (np.isnan(o.get()) == where).all()
 
 
+def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, **kw):
+    """The backward of the matrix-unit driver (store_ds=None) given the reference's o and lse."""
+    dtype = np.dtype(dtype)
+    if product != "fma" and dtype == np.float32:
+        pytest.skip("no tf32x3 backward: float32 takes the portable one")
+    q, k, v, do = (ref.rnd(s, seed).astype(dtype) for s, seed in (((n, nh, hd), 11), ((n, nkv, hd), 12),
+                                                                  ((n, nkv, hd), 13), ((n, nh, hd), 14)))
+    kw = kw or {"window": n}
+    o, lse = ref.attention(q, k, v, **kw)
+    arrays = (q, k, v, o.astype(dtype), lse.astype(np.float32), do)
+    st = clops.args.storage(dtype)
+    sc = {"hd": hd, "st": st, "product": mma.backward_product(queue, st)[0]}
+    for spec in BWD_MMA.values():
+        tuning.override(spec.op, sc, tiles)
+    try:
+        got = [g.get() for g in clops.attention_bwd(queue, *to_device(queue, *arrays), **kw)]
+    finally:
+        for spec in BWD_MMA.values():
+            tuning.override(spec.op, sc, None)
+    for name, g, w in zip(("dq", "dk", "dv"), got, ref.attention_bwd(*arrays, **kw)):
+        if dtype == np.float32:
+            assert ref.rel_err(g, w) <= TOL, name
+        else:
+            assert_storage_close(name, g, w, dtype, TOL, scale=_grad_scale(w))
+    return got
+
+
+@pytest.mark.parametrize("hd, dtype", [(8, np.float32), (40, BF16), (128, np.float32), (128, BF16), (64, np.float16)],
+                         ids=["8", "40-bf16", "128", "128-bf16", "64-f16"])
+def test_backward_head_dims_and_dtypes(queue, product, hd, dtype):
+    _check_bwd(queue, product, 74, 4, 2, hd, dtype, window=37)
+
+
+@pytest.mark.parametrize("window", [2, 17])  # at window 1 every gradient is 0: nothing to compare relatively
+def test_backward_windows_one_kv_head(queue, product, window):
+    _check_bwd(queue, product, 2 * window, 4, 1, 32, BF16, window=window)
+
+
+@pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 7, "causal": False},
+                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}],
+                         ids=["non-causal", "sliding-non-causal", "varlen-sliding-softcap"])
+def test_backward_variants(queue, product, kw):
+    _check_bwd(queue, product, 100, 4, 2, 32, BF16, **kw)
+
+
+def test_backward_tiles(queue, product):
+    _check_bwd(queue, product, 90, 2, 1, 48, BF16, tiles={"nw": 3, "bk": 48}, window=45)
+
+
+@pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
+                         ids=["causal", "sliding-non-causal"])
+def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, kw):
+    """A NaN of K at key 37 reaches dQ only in the rows that see key 37 (and dK, dV of that key); a NaN
+    of Q or dO at row 37 reaches dK and dV only at the keys that row 37 sees (and dQ of that row):
+    matrix products would multiply it by the zero P or dS of the other pairs."""
+    n, pos, col = 80, 37, 5
+    q, k, v, do = (ref.rnd((n, 1, 16), seed) for seed in (1, 2, 3, 4))
+    i = np.arange(n)
+    if kw.get("causal", True):
+        sees, seen = pos <= i, i <= pos  # rows that see key pos; keys that row pos sees
+    else:
+        sees = seen = np.abs(i - pos) < kw["sliding_window"]
+    o, lse = ref.attention(q, k, v, **kw)
+    for name, want in (("k", (sees, i == pos, i == pos)), ("q", (i == pos, seen, seen)), ("do", (i == pos, seen, seen))):
+        arrays = {"q": q.copy(), "k": k.copy(), "do": do.copy()}
+        arrays[name][pos, 0, col] = np.nan
+        got = clops.attention_bwd(queue, *to_device(queue, arrays["q"], arrays["k"], v, o.astype(np.float32),
+                                                    lse.astype(np.float32), arrays["do"]), **kw)
+        for grad, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert (np.isnan(g.get()).any(-1)[:, 0] == w).all(), f"NaN of {name}: {grad}"
+
+
 def test_path_choice(queue, monkeypatch):
     with mma.using("0"):
         assert mma.forward_product(queue, "float") == (None, "CLOPS_MMA=0")
     with mma.using("fma"):
         assert mma.forward_product(queue, "bf16")[0] == "fma"
+        assert mma.backward_product(queue, "float")[0] == "fma"
     with mma.using("yes"), pytest.raises(ValueError, match="CLOPS_MMA"):
         mma.forward_product(queue, "float")
     monkeypatch.setenv("CLOPS_MMA", "0")  # read at import, and again by reload_switch
@@ -115,8 +193,10 @@ def test_path_choice(queue, monkeypatch):
     assert mma.forward_product(queue, "float")[0] is None  # float32 keeps the portable kernel
     if "NVIDIA" in queue.device.platform.name.upper():
         assert ok and product == "bf16", why  # the probe must pass on NVIDIA's driver
+        assert mma.backward_product(queue, "bf16")[0] == "bf16"
         with mma.using("1"):
             assert mma.forward_product(queue, "float")[0] == "tf32x3"
+            assert mma.backward_product(queue, "float")[0] is None  # no tf32x3 backward
     else:
         assert not ok and product is None and reason == why and "not an NVIDIA device" in why
 
@@ -142,4 +222,5 @@ def test_local_memory_spec_fits_every_head_dim(queue):
         for hd in (8, 64, 128, 256):
             for product in ("fma", mma.PRODUCTS[st]):
                 sc = {"hd": hd, "st": st, "product": product}
-                FWD_MMA.check(queue.device, sc, FWD_MMA.heuristic(queue.device, sc))
+                for spec in (FWD_MMA, *BWD_MMA.values()):
+                    spec.check(queue.device, sc, spec.heuristic(queue.device, sc))

@@ -1,0 +1,276 @@
+// clops attention backward, matrix-unit driver: the gradients of attention_fwd_mma.cl.mako's
+// forward (the same op as attention_bwd.cl.mako: layout, variants, arguments), organised for the
+// warp-level tile products of tile_products.cl.mako. Rendered once per pass (`pass_`):
+//   "dq":  attn_bwd_dq. Work-group (h, w, b) takes query head h of window (sequence) w for the
+//          BQ = 16·NW query rows of block b (last blocks first); warp wi owns 16 rows. It first
+//          computes D = Σ dO·O of its rows and stores it in `dsum` (for the dkv pass), holds
+//          Q and dO as A operands, then per key block of BK keys (K and V staged in local
+//          memory): S = Q·Kᵀ, dP = dO·Vᵀ, P = exp2(S·c − lse·log2 e), dS = P·(dP − D)·scale,
+//          dQ += dS·K.
+//   "dkv": attn_bwd_dkv, enqueued after dq (it reads D). Work-group (g, w, b) takes kv head g
+//          of window w for the BQ = 16·NW keys of block b; warp wi owns 16 keys, holding K and V
+//          as A operands. For each query head of the kv head and each block of BK queries (Q,
+//          dO staged, with their lse and D): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ as above,
+//          dV += Pᵀ·dO, dK += dSᵀ·Q, summed over the query heads in order; written once.
+// So every pass is "16 rows a warp × a staged block of BK": BQ the group's rows, BK the block,
+// the names tile_products.cl.mako uses. Masked pairs get P = dS = 0 by selection (a NaN of dO,
+// V, Q or D stays out of them); a block crossing the mask's edges whose staged B operand (K in
+// dq; Q or dO in dkv) holds a NaN or ±Inf takes the products' exact masked form, so that value
+// reaches only the gradients that depend on it. Rows and keys past the sequence are zero and
+// never stored. Every sum has a fixed order: bitwise reproducible.
+//
+// Parameters: NW warps per group, BK block size (a multiple of 16), HD head dim (a multiple of
+// 8), ST storage type, KIND the tile product (fma, bf16, f16).
+<%!
+    from clops.attn import visible_condition
+    from clops.program import ctype
+%>\
+<%
+    narrow = st != "float"
+    et = ctype(st)                          # a stored element: float, or ushort bits
+    ev = "uint4" if narrow else "float4"    # 16 bytes of them
+    per = 8 if narrow else 4                # elements per 16 bytes
+    tok0 = "tok0" if varlen else "w * T"
+
+    def visible(i, j):                      # query position i sees key position j
+        return visible_condition(causal, sliding, i, j) or "1"
+
+    def edges(q0, k0, nq, nk):              # some query of [q0, q0 + nq) does not see a key of [k0, k0 + nk)
+        out = ["%s + %s - 1 > %s" % (k0, nk, q0)] if causal else []
+        if sliding:
+            out.append("%s + %s > %s + W" % (q0, nq, k0))
+            if not causal:
+                out.append("%s + %s > %s + W" % (k0, nk, q0))
+        return out
+%>\
+<%namespace name="common" file="common.cl.mako"/>\
+<%namespace name="tp" file="tile_products.cl.mako"/>\
+#define HD ${hd}
+#define HD16 ((HD + 15) / 16)
+#define NW ${nw}
+#define BQ (16 * NW)
+#define WG (32 * NW)
+#define BK ${bk}
+#define KS (HD + ${per})             // row stride (elements) of a staged block, padded against bank conflicts
+#define KN ((BK * (HD / ${per}) + WG - 1) / WG)  // 16-byte vectors each work-item fetches per block
+#define LOG2E 1.4426950408889634f
+typedef ${idx} idx_t;
+${common.guards()}\
+${common.storage(st)}\
+${tp.decls(kind, st)}\
+
+## P (into `p`) and dS (into `ds`) of the warp's tile from S in `p` and dP in `ds`, in place:
+## element (j, e) is query `qi`, key `kj` (C expressions of j and e); l2 and dd its query's
+## lse·log2 e and D; `seen` its mask.
+<%def name="coefficients(p, ds, qi, kj, l2, dd)">
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const uint qi = ${qi}, kj = ${kj};
+                const bool seen = ${visible("qi", "kj")} && qi < T && kj < T;
+% if softcap:
+                // the cap's derivative 1 − tanh² folded into dS
+                const float th = tanh(${p}[j][e] * c), pe = exp2(cap * th - ${l2});
+                ${ds}[j][e] = seen ? pe * (1.0f - th * th) * (${ds}[j][e] - ${dd}) * scale : 0.0f;
+% else:
+                const float pe = exp2(${p}[j][e] * c - ${l2});
+                ${ds}[j][e] = seen ? pe * (${ds}[j][e] - ${dd}) * scale : 0.0f;
+% endif
+                ${p}[j][e] = seen ? pe : 0.0f;
+            }
+        }
+</%def>
+
+## Zeroed accumulator tiles.
+<%def name="zeros(name, cols)">
+    float ${name}[${cols}][4];
+    #pragma unroll
+    for (int n = 0; n < ${cols}; ++n) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) ${name}[n][e] = 0.0f;
+    }
+</%def>
+
+## Store accumulator rows row0 + g (+ 8) inside the sequence to dst at base, row stride `stride`.
+<%def name="store_rows(acc, dst, base, stride)">
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint ri = row0 + g + 8 * r;
+        if (ri < T) {
+            const idx_t row = ${base} + (idx_t)ri * ${stride};
+            #pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                const float x0 = ${acc}[n][2 * r], x1 = ${acc}[n][2 * r + 1];
+% if narrow:
+                *(__global uint *)(${dst} + ${at(dst, "row + 8 * n + 2 * t", 2)}) =
+                    (uint)clops_float_to_${st}(x0) | ((uint)clops_float_to_${st}(x1) << 16);
+% else:
+                *(__global float2 *)(${dst} + ${at(dst, "row + 8 * n + 2 * t", 2)}) = (float2)(x0, x1);
+% endif
+            }
+        }
+    }
+</%def>
+
+% if pass_ == "dq":
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
+                 __global const ${et} *restrict v, __global const ${et} *restrict o,
+                 __global const ${et} *restrict dO, __global const float *restrict lse,
+                 __global float *restrict dsum, __global ${et} *restrict dq,${"""
+                 __global const int *restrict cu,""" if varlen else ""}
+                 const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "dO", "lse", "dsum", "dq"] + ["cu"] * varlen)})
+{
+    __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
+    __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
+    __local int nonfinite[2];                 // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
+${tp.locals(kind)}\
+
+    const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
+    const uint h = get_group_id(0), w = get_group_id(1);
+    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
+% if varlen:
+    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
+% endif
+    const uint nkv = nh / rep;
+    const uint qstride = nh * HD, kstride = nkv * HD;  // elements
+    const idx_t qbase = (idx_t)${tok0} * qstride + h * HD;
+    const idx_t kbase = (idx_t)${tok0} * kstride + (h / rep) * HD;
+    // the key blocks holding a key that a row of the block sees (none past the sequence's end)
+    const uint qlast = min(q0 + BQ, T) - 1;
+    const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
+    const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
+
+    // D = Σ dO·O of rows g and g + 8 (each lane 4 columns of every 16, then the quad), stored
+    // for the dkv pass; lse·log2 e of the rows.
+    float dd[2] = {0.0f, 0.0f}, l2[2] = {0.0f, 0.0f};
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint qi = row0 + g + 8 * r;
+        if (qi < T) {
+            const idx_t row = qbase + (idx_t)qi * qstride;
+            for (uint d = 4 * t; d < HD; d += 16)
+                dd[r] += dot(${load(st, 4, "o", at("o", "row + d", 4), aligned=True)}, ${load(st, 4, "dO", at("dO", "row + d", 4), aligned=True)});
+            l2[r] = lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] * LOG2E;
+        }
+    }
+${tp.quad(kind, "sum", "dd[0]", "dd[1]")}\
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint qi = row0 + g + 8 * r;
+        if (qi < T && t == 0) dsum[${at("dsum", "((idx_t)%s + qi) * nh + h" % tok0)}] = dd[r];
+    }
+${tp.load_q(kind, st)}\
+${tp.load_q(kind, st, frag="df", src="dO")}\
+${zeros("acc", "HD / 8")}\
+
+<% masked = edges("q0", "k0", "BQ", "BK") %>\
+    ${ev} kr[KN], vr[KN];
+    if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+    for (uint kb = kb0; kb < nkb; ++kb) {
+        const uint k0 = kb * BK;
+        ${tp.fetch(st, "kr", "k", "k0")}
+        ${tp.fetch(st, "vr", "v", "k0")}
+        barrier(CLK_LOCAL_MEM_FENCE);  // the block before is used up
+        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
+        ${tp.put(st, "kr", "kst", "nonfinite[kb & 1]" if masked else None)}
+        ${tp.put(st, "vr", "vst")}
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+${zeros("s", "BK / 8")}\
+${zeros("dp", "BK / 8")}\
+${tp.qk(kind, st)}\
+${tp.qk(kind, st, out="dp", frag="df", bs="vs", src="dO")}\
+        ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "l2[e >> 1]", "dd[e >> 1]")}
+% if masked:
+        if ((${" || ".join(masked)}) && nonfinite[kb & 1]) {
+${tp.pv(kind, st, True, visible, p="dp", bs="ks")}\
+        } else {
+${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
+        }
+% else:
+${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
+% endif
+    }
+    ${store_rows("acc", "dq", "qbase", "qstride")}
+}
+% else:
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restrict k,
+                  __global const ${et} *restrict v, __global const ${et} *restrict dO,
+                  __global const float *restrict lse, __global const float *restrict dsum,
+                  __global ${et} *restrict dk, __global ${et} *restrict dv,${"""
+                  __global const int *restrict cu,""" if varlen else ""}
+                  const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["cu"] * varlen)})
+{
+    __local ${et} qst[BK * KS] __attribute__((aligned(16))), dst[BK * KS] __attribute__((aligned(16)));
+    __local const ${et} *qs = qst, *dos = dst;  // the query block's Q and dO
+    __local float l2s[BK], dds[BK];            // their lse·log2 e and D
+    __local int nonfinite[2];                  // Q or dO of the block holds a NaN or ±Inf
+${tp.locals(kind)}\
+
+    const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
+    const uint gk = get_group_id(0), w = get_group_id(1);
+    const uint key0 = get_group_id(2) * BQ, row0 = key0 + wi * 16;  // the group's and the warp's first key
+% if varlen:
+    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
+% endif
+    const uint nkv = nh / rep;
+    const uint qstride = nh * HD, kstride = nkv * HD;  // elements
+    const idx_t kbase = (idx_t)${tok0} * kstride + gk * HD;
+    // the query blocks holding a query that sees a key of the group (none past the sequence's end)
+    const uint qfirst = ${"key0 / BK * BK" if causal else ("key0 + 1 > W ? (key0 + 1 - W) / BK * BK : 0" if sliding else "0")};
+    const uint qend = key0 < T ? ${"min(T, key0 + BQ - 1 + W)" if sliding else "T"} : 0;
+${tp.load_q(kind, st, frag="kf", src="k", base="kbase", stride="kstride")}\
+${tp.load_q(kind, st, frag="vf", src="v", base="kbase", stride="kstride")}\
+${zeros("dka", "HD / 8")}\
+${zeros("dva", "HD / 8")}\
+
+<%
+    masked = edges("q0", "key0", "BK", "BQ")
+    seen_t = lambda key, query: visible(query, key)  # the products' rows are keys here
+%>\
+    ${ev} qr[KN], dr[KN];
+    uint blk = 0;  // blocks visited, for the flag's slot
+    if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+    for (uint h = gk * rep; h < (gk + 1) * rep; ++h) {
+        const idx_t qbase = (idx_t)${tok0} * qstride + h * HD;
+        for (uint q0 = qfirst; q0 < qend; q0 += BK, ++blk) {
+            ${tp.fetch(st, "qr", "q", "q0", "qbase", "qstride")}
+            ${tp.fetch(st, "dr", "dO", "q0", "qbase", "qstride")}
+            barrier(CLK_LOCAL_MEM_FENCE);  // the block before is used up
+            if (lid == 0) nonfinite[(blk + 1) & 1] = 0;
+            ${tp.put(st, "qr", "qst", "nonfinite[blk & 1]" if masked else None)}
+            ${tp.put(st, "dr", "dst", "nonfinite[blk & 1]" if masked else None)}
+            for (uint i = lid; i < BK; i += WG) {
+                const uint qi = q0 + i;
+                const idx_t at = ((idx_t)${tok0} + min(qi, T - 1)) * nh + h;
+                l2s[i] = qi < T ? lse[${at("lse", "at")}] * LOG2E : 0.0f;
+                dds[i] = qi < T ? dsum[${at("dsum", "at")}] : 0.0f;
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+
+${zeros("s", "BK / 8")}\
+${zeros("dp", "BK / 8")}\
+${tp.qk(kind, st, frag="kf", bs="qs", src="k", base="kbase", stride="kstride")}\
+${tp.qk(kind, st, out="dp", frag="vf", bs="dos", src="v", base="kbase", stride="kstride")}\
+            ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "l2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]")}
+% if masked:
+            if ((${" || ".join(masked)}) && nonfinite[blk & 1]) {
+${tp.pv(kind, st, True, seen_t, p="s", acc="dva", bs="dos", c0="q0")}\
+${tp.pv(kind, st, True, seen_t, p="dp", acc="dka", bs="qs", c0="q0")}\
+            } else {
+${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="dos", c0="q0")}\
+${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="qs", c0="q0")}\
+            }
+% else:
+${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="dos", c0="q0")}\
+${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="qs", c0="q0")}\
+% endif
+        }
+    }
+    ${store_rows("dva", "dv", "kbase", "kstride")}
+    ${store_rows("dka", "dk", "kbase", "kstride")}
+}
+% endif
