@@ -208,7 +208,7 @@ void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restri
     __local const ${et} *qs = qst, *dos = dst;  // the query block's Q and dO
     __local float l2s[BK], dds[BK];            // their lse·log2 e and D
     __local int nonfinite[2];                  // Q or dO of the block holds a NaN or ±Inf
-${tp.locals(kind)}\
+${tp.locals(kind, quads=False)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
     const uint gk = get_group_id(0), w = get_group_id(1);

@@ -85,11 +85,14 @@ inline uint pack2(float lo, float hi)
 % endif
 </%def>
 
-## Work-group-wide declarations a product needs (inside the kernel, before any code).
-<%def name="locals(kind)">\
+## Work-group-wide declarations a product needs (inside the kernel, before any code); `quads`:
+## the driver reduces across quads.
+<%def name="locals(kind, quads=True)">\
 % if kind == "fma":
     __local float pl[BQ * BK];          // P of the group's rows, for P·V
+% if quads:
     __local float2 quad_red[WG];        // quad reductions
+% endif
 % endif
 </%def>
 

@@ -467,20 +467,28 @@ BWD = {
 # {"hd", "st", "product"}. Their parameters:
 #   nw  warps of 32 work-items per group, each on 16 rows (query rows in dq, keys in dkv);
 #   bk  the staged block: keys (dq) or query rows (dkv), a multiple of 16.
-# Local memory: as the forward's, plus 8·bk bytes in dkv (the block's lse and D).
+# Local memory: as the forward's; dkv adds 8·bk bytes (the block's lse and D) and, with the portable
+# products, takes no quad reductions (256·nw bytes fewer).
 
 def _bwd_mma_local_bytes(pass_):
     def local_bytes(p, sc):
-        return _mma_local_bytes(p, sc) + (8 * p["bk"] if pass_ == "dkv" else 0)
+        if pass_ == "dq":
+            return _mma_local_bytes(p, sc)
+        return _mma_local_bytes(p, sc) + 8 * p["bk"] - (256 * p["nw"] if sc["product"] == "fma" else 0)
 
     return local_bytes
 
 
 def _bwd_mma_heuristic(pass_):
+    """Tiles from the H200's sweeps (bf16) on a GPU, fewer keys until the blocks fit; two warps and 16
+    elsewhere."""
     def heuristic(dev, sc):
         if not dev.type & cl.device_type.GPU:
             return {"nw": 2, "bk": 16}
-        p = {"nw": 4, "bk": 64 if pass_ == "dq" else 32}
+        # measured on the H200: dq 4 warps and 64 keys up to hd 128, 8 and 32 above; dkv 4 warps and
+        # 32 query rows up to hd 128, 8 and 16 above
+        big = sc["hd"] > 128
+        p = {"nw": 8 if big else 4, "bk": (32 if big else 64) if pass_ == "dq" else (16 if big else 32)}
         while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
             p["bk"] //= 2
         return p

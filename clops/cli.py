@@ -31,13 +31,14 @@ def info(args):
     dev = runtime.default_context().devices[0]
     print(f"chosen device: {dev.name.strip()} on {dev.platform.name.strip()}")
     print(f"  because: {runtime.default_reason()}")
-    from .mma import forward_product
+    from .mma import backward_product, forward_product
 
     queue = runtime.default_queue()
     for st, name in (("float", "float32"), ("bf16", "bfloat16"), ("half", "float16")):
-        product, why = forward_product(queue, st)
-        path = "the portable kernel" if product is None else f"the matrix-unit driver, {product} products"
-        print(f"attention forward at {name}: {path} ({why})")
+        for way, choose in (("forward", forward_product), ("backward", backward_product)):
+            product, why = choose(queue, st)
+            path = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
+            print(f"attention {way} at {name}: {path} ({why})")
     print("kernel parameters there, per family at the shape class clops tune starts from:")
     from .tune import FAMILIES as TUNED
 

@@ -204,14 +204,21 @@ def _attention_fwd(queue, sc, pb):
                 attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
+def _mma_mode(queue, sc, taken):
+    """The CLOPS_MMA mode that runs the tile products ``sc["product"]``, checked with ``taken(queue, st)``
+    (clops.mma.forward_product or backward_product) on this device."""
+    mode = "fma" if sc["product"] == "fma" else "1"
+    with mma.using(mode):
+        product = taken(queue, sc["st"])[0]
+    if product != sc["product"]:
+        raise ValueError(f"--class product={sc['product']}: at st={sc['st']} this device takes {product}")
+    return mode
+
+
 def _attention_fwd_mma(queue, sc, pb):
     """The forward on the matrix-unit driver with the tile products ``sc["product"]`` at storage
     ``sc["st"]`` (16-bit results: the relative L2 of their one rounding allowed, about 2⁻⁹)."""
-    mode = "fma" if sc["product"] == "fma" else "1"
-    with mma.using(mode):
-        taken = mma.forward_product(queue, sc["st"])[0]
-    if taken != sc["product"]:
-        raise ValueError(f"--class product={sc['product']}: the forward at st={sc['st']} takes {taken} on this device")
+    mode = _mma_mode(queue, sc, mma.forward_product)
     q, k, v = (x.astype(storage_dtype(sc["st"])) for x in _attention_data(pb, sc["hd"]))
     dq, dk, dv = _upload(queue, q, k, v)
     pool = _pool(queue)
@@ -231,19 +238,37 @@ def _attention_bwd(products, store_ds):
     return lambda queue, sc, pb: _attention_bwd_case(queue, sc, pb, products, store_ds)
 
 
-def _attention_bwd_case(queue, sc, pb, products, store_ds):
-    q, k, v = _attention_data(pb, sc["hd"])
+def _attention_bwd_case(queue, sc, pb, products, store_ds, mode=None):
+    """``mode``: the CLOPS_MMA mode of the matrix-unit backward (store_ds None), at storage ``sc["st"]``."""
+    dtype = storage_dtype(sc.get("st", "float"))
+    q, k, v = (x.astype(dtype) for x in _attention_data(pb, sc["hd"]))
     dq, dk, dv = _upload(queue, q, k, v)
     pool = _pool(queue)
     # The forward's outputs are the backward's inputs, and the reference is given the same ones
     # (a float64 host forward of a full-size problem would take minutes).
     o_, lse_ = clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool)
     o, lse = o_.get(), lse_.get()
-    do = ref.rnd(o.shape, 4, 1.0)
+    do = ref.rnd(o.shape, 4, 1.0).astype(dtype)
     dev_args = (dq, dk, dv, o_, lse_, *_upload(queue, do))
-    return Case(lambda: clops.attention_bwd(queue, *dev_args, window=pb["window"], store_ds=store_ds, allocator=pool),
-                lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]), (BWD,) * 3, "TFLOP/s",
+
+    def call():
+        with mma.using(mma.mode() if mode is None else mode):
+            return clops.attention_bwd(queue, *dev_args, window=pb["window"], store_ds=store_ds, allocator=pool)
+
+    return Case(call, lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]),
+                (BWD if dtype == np.float32 else 1e-2,) * 3, "TFLOP/s",
                 products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
+
+
+def _attention_bwd_mma(pass_):
+    """One pass of the matrix-unit backward (dq: S, dP, dQ; dkv: S, dP, dV, dK), timed alone."""
+    def prepare(queue, sc, pb):
+        mode = _mma_mode(queue, sc, mma.backward_product)
+        return _attention_bwd_case(queue, sc, pb, 3 if pass_ == "dq" else 4, None, mode)
+
+    return Family(attn.BWD_MMA[pass_], {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem, prepare,
+                  f"attention_bwd's {pass_} pass on the matrix-unit driver at storage st (product: its tile "
+                  f"products, the device's or fma), timing attn_bwd_{pass_}", kernels=(f"attn_bwd_{pass_}",))
 
 
 def _qk_norm_rope(queue, sc, pb):
@@ -344,6 +369,8 @@ FAMILIES = {
     "attention_fwd_mma": Family(attn.FWD_MMA, {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem,
                                 _attention_fwd_mma, "attention forward on the matrix-unit driver at storage st "
                                 "(product: its tile products, the device's or fma)"),
+    "attention_bwd_mma_dq": _attention_bwd_mma("dq"),
+    "attention_bwd_mma_dkv": _attention_bwd_mma("dkv"),
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
     "attention_bwd_dqs": _bwd_family("dqs"),

@@ -197,6 +197,8 @@ LOCAL = [
                                              {"bq": 16, "rq": 2, "tx": 8, "bk": 24, "vw": 2, "dc": 48, "kc": 12}]),
     (attn.FWD_MMA, {"hd": 40, "st": "float", "product": "fma"}, {"idx": "uint"}, [{"nw": 1, "bk": 32}]),
     (attn.FWD_MMA, {"hd": 40, "st": "bf16", "product": "fma"}, {"idx": "uint"}, [{"nw": 3, "bk": 16}]),
+    (attn.BWD_MMA["dq"], {"hd": 40, "st": "bf16", "product": "fma"}, {"idx": "uint"}, [{"nw": 3, "bk": 32}]),
+    (attn.BWD_MMA["dkv"], {"hd": 40, "st": "float", "product": "fma"}, {"idx": "uint"}, [{"nw": 1, "bk": 48}]),
     (attn.BWD["dkv"], {"hd": 16}, {"idx": "uint", "store_ds": 1},
      [{"wg": 16, "split": 1, "bq": 8, "bk": 8, "sq": 2, "sk": 2, "dc": 8, "jc": 4, "tr": 2, "td": 4, "vw": 2}]),
     (attn.BWD["dq"], {"hd": 16}, {"idx": "uint"},

@@ -320,6 +320,21 @@ def run_attention_mma(queue):
         o, _ = clops.attention(queue, *(cla.to_device(queue, a) for a in (q, k, v)), window=34)
         if np.isnan(o.get()[:20]).any() or not np.isnan(o.get()[20:, 2:, 3]).all():
             raise AssertionError("attention_mma: a NaN of V reached rows that do not see it")
+        # The backward's two passes, the same tiles, given the reference's o and lse.
+        for hd, dtype, kw in ((8, "float32", dict(window=17)),
+                              (8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
+                              (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
+                              (16, "bfloat16", dict(window=34))):
+            for spec in ("attention_bwd_mma_dq", "attention_bwd_mma_dkv"):
+                tuning.override(spec, {"hd": hd, "st": "float" if dtype == "float32" else "bf16", "product": "fma"},
+                                {"nw": 2, "bk": 16})
+            q, k, v, do = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
+                                                                            ((n, nkv, hd), 33), ((n, nh, hd), 34)))
+            wo, wlse = ref.attention(q, k, v, **kw)
+            arrays = (q, k, v, wo.astype(dtype), wlse.astype(np.float32), do)
+            grads = clops.attention_bwd(queue, *(cla.to_device(queue, a) for a in arrays), **kw)
+            for name, got, w in zip(("dq", "dk", "dv"), grads, ref.attention_bwd(*arrays, **kw)):
+                _expect(f"attention_bwd_mma {name} {kw}", got, w, 1e-5 if dtype == "float32" else NARROW_TOL)
 
 
 def run_cross_entropy(queue):
@@ -410,7 +425,7 @@ FAMILIES = {
     "qk_norm_rope": (run_qk_norm_rope, ["qk_norm_rope.cl.mako"]),
     "attention": (run_attention, ["attention_fwd.cl.mako", "attention_bwd.cl.mako"]),
     "attention_variants": (run_attention_variants, ["attention_fwd.cl.mako", "attention_bwd.cl.mako"]),
-    "attention_mma": (run_attention_mma, ["attention_fwd_mma.cl.mako"]),
+    "attention_mma": (run_attention_mma, ["attention_fwd_mma.cl.mako", "attention_bwd_mma.cl.mako"]),
 }
 
 # Throwaway kernels, each with one planted fault of a kind the simulator must report.
