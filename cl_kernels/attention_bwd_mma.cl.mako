@@ -20,7 +20,10 @@
 // never stored. Every sum has a fixed order: bitwise reproducible.
 //
 // Parameters: NW warps per group, BK block size (a multiple of 16), HD head dim (a multiple of
-// 8), ST storage type, KIND the tile product (fma, bf16, f16).
+// 8), ST storage type, KIND the tile product (fma, bf16, f16); AF: the 16-bit products fetch the
+// warp's A operands (Q and dO, or K and V) once, held in registers (1), or from global memory at
+// each step, L1-cached (2); dkv only, CS: the group computes 1/CS of dK's and dV's head-dim
+// columns (CS groups per key block, each computing S and dP: fewer registers for more work).
 <%!
     from clops.attn import visible_condition
     from clops.program import ctype
@@ -92,21 +95,21 @@ ${tp.decls(kind, st)}\
     }
 </%def>
 
-## Store accumulator rows row0 + g (+ 8) inside the sequence to dst at base, row stride `stride`.
-<%def name="store_rows(acc, dst, base, stride)">
+## Store accumulator rows row0 + g (+ 8) inside the sequence, columns col0 .. col0 + 8·ncol, to dst at base, row stride `stride`.
+<%def name="store_rows(acc, dst, base, stride, col0='0', ncol='HD / 8')">
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const uint ri = row0 + g + 8 * r;
         if (ri < T) {
             const idx_t row = ${base} + (idx_t)ri * ${stride};
             #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
+            for (int n = 0; n < ${ncol}; ++n) {
                 const float x0 = ${acc}[n][2 * r], x1 = ${acc}[n][2 * r + 1];
 % if narrow:
-                *(__global uint *)(${dst} + ${at(dst, "row + 8 * n + 2 * t", 2)}) =
+                *(__global uint *)(${dst} + ${at(dst, "row + %s + 8 * n + 2 * t" % col0, 2)}) =
                     (uint)clops_float_to_${st}(x0) | ((uint)clops_float_to_${st}(x1) << 16);
 % else:
-                *(__global float2 *)(${dst} + ${at(dst, "row + 8 * n + 2 * t", 2)}) = (float2)(x0, x1);
+                *(__global float2 *)(${dst} + ${at(dst, "row + %s + 8 * n + 2 * t" % col0, 2)}) = (float2)(x0, x1);
 % endif
             }
         }
@@ -161,8 +164,10 @@ ${tp.quad(kind, "sum", "dd[0]", "dd[1]")}\
         const uint qi = row0 + g + 8 * r;
         if (qi < T && t == 0) dsum[${at("dsum", "((idx_t)%s + qi) * nh + h" % tok0)}] = dd[r];
     }
+% if af == 1:
 ${tp.load_q(kind, st)}\
 ${tp.load_q(kind, st, frag="df", src="dO")}\
+% endif
 ${zeros("acc", "HD / 8")}\
 
 <% masked = edges("q0", "k0", "BQ", "BK") %>\
@@ -180,8 +185,8 @@ ${zeros("acc", "HD / 8")}\
 
 ${zeros("s", "BK / 8")}\
 ${zeros("dp", "BK / 8")}\
-${tp.qk(kind, st)}\
-${tp.qk(kind, st, out="dp", frag="df", bs="vs", src="dO")}\
+${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
+${tp.qk(kind, st, out="dp", frag=None if af == 2 else "df", bs="vs", src="dO")}\
         ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "l2[e >> 1]", "dd[e >> 1]")}
 % if masked:
         if ((${" || ".join(masked)}) && nonfinite[kb & 1]) {
@@ -211,7 +216,8 @@ void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restri
 ${tp.locals(kind, quads=False)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
-    const uint gk = get_group_id(0), w = get_group_id(1);
+    const uint gk = get_group_id(0) / ${cs}, w = get_group_id(1);
+    const uint col0 = get_group_id(0) % ${cs} * (HD / ${cs});  // the group's first column of dK and dV
     const uint key0 = get_group_id(2) * BQ, row0 = key0 + wi * 16;  // the group's and the warp's first key
 % if varlen:
     const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
@@ -222,10 +228,12 @@ ${tp.locals(kind, quads=False)}\
     // the query blocks holding a query that sees a key of the group (none past the sequence's end)
     const uint qfirst = ${"key0 / BK * BK" if causal else ("key0 + 1 > W ? (key0 + 1 - W) / BK * BK : 0" if sliding else "0")};
     const uint qend = key0 < T ? ${"min(T, key0 + BQ - 1 + W)" if sliding else "T"} : 0;
+% if af == 1:
 ${tp.load_q(kind, st, frag="kf", src="k", base="kbase", stride="kstride")}\
 ${tp.load_q(kind, st, frag="vf", src="v", base="kbase", stride="kstride")}\
-${zeros("dka", "HD / 8")}\
-${zeros("dva", "HD / 8")}\
+% endif
+${zeros("dka", "HD / %d / 8" % cs)}\
+${zeros("dva", "HD / %d / 8" % cs)}\
 
 <%
     masked = edges("q0", "key0", "BK", "BQ")
@@ -253,24 +261,24 @@ ${zeros("dva", "HD / 8")}\
 
 ${zeros("s", "BK / 8")}\
 ${zeros("dp", "BK / 8")}\
-${tp.qk(kind, st, frag="kf", bs="qs", src="k", base="kbase", stride="kstride")}\
-${tp.qk(kind, st, out="dp", frag="vf", bs="dos", src="v", base="kbase", stride="kstride")}\
+${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="qs", src="k", base="kbase", stride="kstride")}\
+${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="dos", src="v", base="kbase", stride="kstride")}\
             ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "l2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]")}
 % if masked:
             if ((${" || ".join(masked)}) && nonfinite[blk & 1]) {
-${tp.pv(kind, st, True, seen_t, p="s", acc="dva", bs="dos", c0="q0")}\
-${tp.pv(kind, st, True, seen_t, p="dp", acc="dka", bs="qs", c0="q0")}\
+${tp.pv(kind, st, True, seen_t, p="s", acc="dva", bs="(dos + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
+${tp.pv(kind, st, True, seen_t, p="dp", acc="dka", bs="(qs + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
             } else {
-${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="dos", c0="q0")}\
-${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="qs", c0="q0")}\
+${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="(dos + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
+${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="(qs + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
             }
 % else:
-${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="dos", c0="q0")}\
-${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="qs", c0="q0")}\
+${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="(dos + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
+${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="(qs + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
 % endif
         }
     }
-    ${store_rows("dva", "dv", "kbase", "kstride")}
-    ${store_rows("dka", "dk", "kbase", "kstride")}
+    ${store_rows("dva", "dv", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}
+    ${store_rows("dka", "dk", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}
 }
 % endif

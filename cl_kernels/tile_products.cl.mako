@@ -107,13 +107,7 @@ inline uint pack2(float lo, float hi)
     uint ${frag}[HD16][4];  // A fragments, 16 columns a step; columns past HD are zero
     #pragma unroll
     for (int s = 0; s < HD16; ++s) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const uint r = row0 + g + 8 * e, d = s * 16 + 4 * t;
-            const uint2 x = (r < T && d < HD) ? *(__global const uint2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 4)}) : (uint2)(0u);
-            ${frag}[s][e] = x.x;
-            ${frag}[s][2 + e] = x.y;
-        }
+${a_words(frag + "[s]", "s", src, base, stride)}\
     }
 % elif kind == "tf32x3":
     float ${frag}[HD / 8][4];  // A fragments, 8 columns a step (split when used)
@@ -130,8 +124,19 @@ inline uint pack2(float lo, float hi)
 % endif
 </%def>
 
-## out[BK/8][4] += A·Bᵀ, A the warp's rows of load_q (`frag`; the portable kind reads them from
-## `src` at `base`, row stride `stride`), B staged in bs[key * KS + d] (the driver's row0, T): the
+## The four 16-bit A words of k-step `s` (16 columns) of the warp's rows into dst[0..3].
+<%def name="a_words(dst, s, src, base, stride)">\
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint r = row0 + g + 8 * e, d = ${s} * 16 + 4 * t;
+            const uint2 x = (r < T && d < HD) ? *(__global const uint2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 4)}) : (uint2)(0u);
+            ${dst}[e] = x.x;
+            ${dst}[2 + e] = x.y;
+        }
+</%def>
+
+## out[BK/8][4] += A·Bᵀ, A the warp's rows of load_q (`frag`; the portable kind, and the 16-bit ones
+## with frag None, read them from `src` at `base`, row stride `stride`), B staged in bs[key * KS + d] (the driver's row0, T): the
 ## forward's S = Q·Kᵀ; the backward's dP = dO·Vᵀ, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
 <%def name="qk(kind, st, out='s', frag='qf', bs='ks', src='q', base='qbase', stride='qstride')">\
 % if kind == "fma":
@@ -166,13 +171,18 @@ inline uint pack2(float lo, float hi)
             }
         }
 % else:
+<% a = "a" if frag is None else frag + "[s16]" %>\
         #pragma unroll
         for (int s16 = 0; s16 < HD16; ++s16) {
+% if frag is None:
+            uint a[4];  // read at each step (L1-cached): no registers held across the block loop
+${a_words("a", "s16", src, base, stride)}\
+% endif
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 // the row's padding past HD is never staged: read as zero
                 const uint2 b = s16 * 16 + 4 * t < HD ? *(const __local uint2 *)(${bs} + (8 * j + g) * KS + s16 * 16 + 4 * t) : (uint2)(0u);
-                mma16(${out}[j], ${frag}[s16][0], ${frag}[s16][1], ${frag}[s16][2], ${frag}[s16][3], b.x, b.y);
+                mma16(${out}[j], ${a}[0], ${a}[1], ${a}[2], ${a}[3], b.x, b.y);
             }
         }
 % endif
@@ -202,11 +212,11 @@ inline uint pack2(float lo, float hi)
 % endif
 </%def>
 
-## acc[HD/8][4] += P·V, P = p[BK/8][4] (accumulator layout), V staged in bs[key * KS + col]: the
+## acc[ncol][4] += P·V, P = p[BK/8][4] (accumulator layout), V staged in bs[key * KS + col]: the
 ## forward's O += P·V; the backward's dQ += dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q. `masked`: the exact
 ## form for blocks whose masked keys may hold a non-finite V: a key a row does not see
 ## (visible(row, c0 + key) false) is skipped, not multiplied by its zero P.
-<%def name="pv(kind, st, masked, visible, p='s', acc='acc', bs='vs', c0='k0')">\
+<%def name="pv(kind, st, masked, visible, p='s', acc='acc', bs='vs', c0='k0', ncol='HD / 8')">\
 % if kind == "fma":
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
@@ -223,7 +233,7 @@ inline uint pack2(float lo, float hi)
 % endif
                 const float pk = pl[rl * BK + key];
                 #pragma unroll
-                for (int n = 0; n < HD / 8; ++n)
+                for (int n = 0; n < ${ncol}; ++n)
                     ${acc}[n][e] = fma(pk, ${widen(st, "%s[key * KS + 8 * n + 2 * t + (e & 1)]" % bs)}, ${acc}[n][e]);
             }
         }
@@ -241,7 +251,7 @@ inline uint pack2(float lo, float hi)
                     const float pg = lane_value(${p}[j][x], src), pg8 = lane_value(${p}[j][2 + x], src);
                     const bool seen = ${visible("row0 + g", "%s + key" % c0)}, seen8 = ${visible("row0 + g + 8", "%s + key" % c0)};
                     #pragma unroll
-                    for (int n = 0; n < HD / 8; ++n) {
+                    for (int n = 0; n < ${ncol}; ++n) {
                         #pragma unroll
                         for (int c = 0; c < 2; ++c) {
                             const float vv = ${widen(st, "%s[key * KS + 8 * n + 2 * t + c]" % bs)};
@@ -263,7 +273,7 @@ inline uint pack2(float lo, float hi)
             split(${p}[j][1], &ah[2], &al[2]);
             split(${p}[j][3], &ah[3], &al[3]);
             #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
+            for (int n = 0; n < ${ncol}; ++n) {
                 const float2 b = (float2)(${bs}[(8 * j + 2 * t) * KS + 8 * n + g], ${bs}[(8 * j + 2 * t + 1) * KS + 8 * n + g]);
                 uint bh[2], bl[2];
                 split(b.x, &bh[0], &bl[0]);
@@ -279,7 +289,7 @@ inline uint pack2(float lo, float hi)
             const uint a0 = pack2(${p}[2 * kk][0], ${p}[2 * kk][1]), a1 = pack2(${p}[2 * kk][2], ${p}[2 * kk][3]);
             const uint a2 = pack2(${p}[2 * kk + 1][0], ${p}[2 * kk + 1][1]), a3 = pack2(${p}[2 * kk + 1][2], ${p}[2 * kk + 1][3]);
             #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
+            for (int n = 0; n < ${ncol}; ++n) {
                 const __local ushort *c = ${bs} + (16 * kk + 2 * t) * KS + 8 * n + g;
                 const uint2 b = (uint2)((uint)c[0] | ((uint)c[KS] << 16), (uint)c[8 * KS] | ((uint)c[9 * KS] << 16));
                 mma16(${acc}[n], a0, a1, a2, a3, b.x, b.y);

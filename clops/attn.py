@@ -466,7 +466,11 @@ BWD = {
 # in the tuning database "attention_bwd_mma_dq" and "attention_bwd_mma_dkv", shape class
 # {"hd", "st", "product"}. Their parameters:
 #   nw  warps of 32 work-items per group, each on 16 rows (query rows in dq, keys in dkv);
-#   bk  the staged block: keys (dq) or query rows (dkv), a multiple of 16.
+#   bk  the staged block: keys (dq) or query rows (dkv), a multiple of 16;
+#   af  how the 16-bit products fetch the warps' A operands: 1 once, held in registers; 2 from
+#       global memory at each step (L1-cached: fewer registers, what hd 256 needs);
+#   cs  dkv only, 1 or 2: the group computes 1/cs of dK's and dV's columns (cs groups per key block,
+#       each computing S and dP again), cs·8 dividing hd.
 # Local memory: as the forward's; dkv adds 8·bk bytes (the block's lse and D) and, with the portable
 # products, takes no quad reductions (256·nw bytes fewer).
 
@@ -483,12 +487,15 @@ def _bwd_mma_heuristic(pass_):
     """Tiles from the H200's sweeps (bf16) on a GPU, fewer keys until the blocks fit; two warps and 16
     elsewhere."""
     def heuristic(dev, sc):
-        if not dev.type & cl.device_type.GPU:
-            return {"nw": 2, "bk": 16}
-        # measured on the H200: dq 4 warps and 64 keys up to hd 128, 8 and 32 above; dkv 4 warps and
-        # 32 query rows up to hd 128, 8 and 16 above
         big = sc["hd"] > 128
-        p = {"nw": 8 if big else 4, "bk": (32 if big else 64) if pass_ == "dq" else (16 if big else 32)}
+        p = {"nw": 2, "bk": 16, "af": 1}
+        if dev.type & cl.device_type.GPU:
+            # measured on the H200: dq 4 warps and 64 keys up to hd 128, 8 and 32 above; dkv 4 warps and
+            # 32 query rows up to hd 128, 8 and 16 above
+            p = {"nw": 8 if big else 4, "bk": (32 if big else 64) if pass_ == "dq" else (16 if big else 32),
+                 "af": 2 if big else 1}
+        if pass_ == "dkv":
+            p["cs"] = 2 if big and dev.type & cl.device_type.GPU else 1
         while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
             p["bk"] //= 2
         return p
@@ -496,12 +503,17 @@ def _bwd_mma_heuristic(pass_):
     return heuristic
 
 
+def _bwd_mma_rules(p, sc):
+    return ((p["bk"] % 16 == 0, "bk must be a multiple of 16"), (p["af"] in (1, 2), "af must be 1 or 2"),
+            (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"))
+
+
 BWD_MMA = {pass_: Spec(
-    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk"),
-    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64]}, _bwd_mma_heuristic(pass_),
-    rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),),
+    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk", "af") + (("cs",) if pass_ == "dkv" else ()),
+    lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], "af": [1, 2], **({"cs": [1, 2]} if pass_ == "dkv" else {})},
+    _bwd_mma_heuristic(pass_), rules=_bwd_mma_rules,
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
-    render=lambda p, sc, pass_=pass_: {**PLAIN, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
+    render=lambda p, sc, pass_=pass_: {**PLAIN, "cs": 1, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
                                        "pass_": pass_},
     doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
     for pass_ in ("dq", "dkv")}
@@ -584,7 +596,8 @@ def _bwd_mma_plan(queue, call, product):
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0],
                np.float32(call.scale)] + call.variant_args()
     return _BwdMmaPlan(q_knl["attn_bwd_dq"], (call.nh, call.nseq, -(-call.T // (16 * pq["nw"]))),
-                       kv_knl["attn_bwd_dkv"], (call.nkv, call.nseq, -(-call.T // (16 * pk["nw"]))), scalars)
+                       kv_knl["attn_bwd_dkv"], (call.nkv * pk["cs"], call.nseq, -(-call.T // (16 * pk["nw"]))),
+                       scalars)
 
 
 def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True,

@@ -101,7 +101,7 @@ def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw):
     assert (np.isnan(o.get()) == where).all()
 
 
-def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, **kw):
+def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, dkv=None, **kw):
     """The backward of the matrix-unit driver (store_ds=None) given the reference's o and lse."""
     dtype = np.dtype(dtype)
     if product != "fma" and dtype == np.float32:
@@ -113,8 +113,9 @@ def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, **k
     arrays = (q, k, v, o.astype(dtype), lse.astype(np.float32), do)
     st = clops.args.storage(dtype)
     sc = {"hd": hd, "st": st, "product": mma.backward_product(queue, st)[0]}
-    for spec in BWD_MMA.values():
-        tuning.override(spec.op, sc, tiles)
+    for pass_, spec in BWD_MMA.items():
+        extra = dkv if pass_ == "dkv" else None
+        tuning.override(spec.op, sc, dict(tiles, **(extra or {})) if tiles else None)
     try:
         got = [g.get() for g in clops.attention_bwd(queue, *to_device(queue, *arrays), **kw)]
     finally:
@@ -146,8 +147,10 @@ def test_backward_variants(queue, product, kw):
     _check_bwd(queue, product, 100, 4, 2, 32, BF16, **kw)
 
 
-def test_backward_tiles(queue, product):
-    _check_bwd(queue, product, 90, 2, 1, 48, BF16, tiles={"nw": 3, "bk": 48}, window=45)
+@pytest.mark.parametrize("tiles", [{"nw": 3, "bk": 48, "af": 1}, {"nw": 1, "bk": 16, "af": 2}])
+def test_backward_tiles(queue, product, tiles):
+    """dkv's column split (cs = 2) with each; af = 2 reads the A operands at each step."""
+    _check_bwd(queue, product, 90, 2, 1, 48, BF16, tiles=tiles, dkv={"cs": 2}, window=45)
 
 
 @pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
