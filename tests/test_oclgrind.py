@@ -334,8 +334,7 @@ def run_attention_bwd_mma(queue):
     # and shapes, given the reference's o and lse.
     nh, nkv, n = 4, 2, 34
     with mma.using("fma"):
-        for hd, dtype, kw in ((8, "float32", dict(window=17)),
-                              (8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
+        for hd, dtype, kw in ((8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
                               (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
                               (16, "bfloat16", dict(window=34))):
             for spec, tiles in (("attention_bwd_mma_dq", {}), ("attention_bwd_mma_dkv", {"cs": 2 if hd == 16 else 1})):
