@@ -75,6 +75,15 @@ inline void mma16(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// Four 8×8 tiles of 16-bit elements in local memory, transposed, into r[0..3]: lane L gives the
+// address of row L % 8 of tile L / 8 (16-byte aligned); lane (g, t) gets elements (2t, g) and
+// (2t + 1, g) of each tile, a B operand word of rows of keys. The address is the __local
+// pointer's own value: NVIDIA's OpenCL keeps it as an offset in the shared window.
+inline void ldsm_x4_trans(uint *r, __local const ushort *row)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
+}
 // lo and hi rounded to nearest even and packed (lo in the low half), as an A or B operand.
 inline uint pack2(float lo, float hi)
 {
@@ -288,11 +297,16 @@ ${a_words("a", "s16", src, base, stride)}\
         for (int kk = 0; kk < BK / 16; ++kk) {
             const uint a0 = pack2(${p}[2 * kk][0], ${p}[2 * kk][1]), a1 = pack2(${p}[2 * kk][2], ${p}[2 * kk][3]);
             const uint a2 = pack2(${p}[2 * kk + 1][0], ${p}[2 * kk + 1][1]), a3 = pack2(${p}[2 * kk + 1][2], ${p}[2 * kk + 1][3]);
+            // B of two column tiles a load: tiles (keys 16kk.., cols 8n..), (keys 16kk + 8.., 8n..),
+            // then the same at cols 8(n + 1) (at 8n again past the last tile)
             #pragma unroll
-            for (int n = 0; n < ${ncol}; ++n) {
-                const __local ushort *c = ${bs} + (16 * kk + 2 * t) * KS + 8 * n + g;
-                const uint2 b = (uint2)((uint)c[0] | ((uint)c[KS] << 16), (uint)c[8 * KS] | ((uint)c[9 * KS] << 16));
-                mma16(${acc}[n], a0, a1, a2, a3, b.x, b.y);
+            for (int n = 0; n < ${ncol}; n += 2) {
+                const int n2 = n + 1 < ${ncol} ? n + 1 : n;
+                uint b[4];
+                ldsm_x4_trans(b, ${bs} + (16 * kk + (lane & 15)) * KS + 8 * (lane & 16 ? n2 : n));
+                mma16(${acc}[n], a0, a1, a2, a3, b[0], b[1]);
+                if (n + 1 < ${ncol})
+                    mma16(${acc}[n + 1], a0, a1, a2, a3, b[2], b[3]);
             }
         }
 % endif
