@@ -68,12 +68,16 @@ def run_elementwise(queue):
         _expect("swiglu", clops.swiglu(queue, da_, db_), ref.swiglu(a, b))
         for got, want in zip(clops.swiglu_bwd(queue, da_, db_, dc_), ref.swiglu_bwd(a, b, dc)):
             _expect("swiglu_bwd", got, want)
-        for weight in (None, rw):
-            got = clops.swiglu_limit(queue, da_, db_, limit=1.5, scale=0.5, row_weight=None if weight is None else rw_)
-            _expect("swiglu_limit", got, ref.swiglu_limit(a, b, limit=1.5, scale=0.5, row_weight=weight))
-        _expect("swiglu_gated", clops.swiglu_gated(queue, da_, db_, g_), ref.swiglu_gated(a, b, gate))
-        for got, want in zip(clops.swiglu_gated_bwd(queue, da_, db_, g_, dc_), ref.swiglu_gated_bwd(a, b, gate, dc)):
-            _expect("swiglu_gated_bwd", got, want)
+        _expect("swiglu_limit", clops.swiglu_limit(queue, da_, db_, limit=1.5, scale=0.5),
+                ref.swiglu_limit(a, b, limit=1.5, scale=0.5))
+        for cut in (width, 36):  # rows of 36: whole vectors of 4 (a row weight per vector, the gate as vectors)
+            x, y, z, gt = (np.ascontiguousarray(v) for v in (a[:, :cut], b[:, :cut], dc[:, :cut], gate[:cut]))
+            x_, y_, z_, gt_ = (cla.to_device(queue, v) for v in (x, y, z, gt))
+            got = clops.swiglu_limit(queue, x_, y_, limit=1.5, scale=0.5, row_weight=rw_)
+            _expect("swiglu_limit rows", got, ref.swiglu_limit(x, y, limit=1.5, scale=0.5, row_weight=rw))
+            _expect("swiglu_gated", clops.swiglu_gated(queue, x_, y_, gt_), ref.swiglu_gated(x, y, gt))
+            for got, want in zip(clops.swiglu_gated_bwd(queue, x_, y_, gt_, z_), ref.swiglu_gated_bwd(x, y, gt, z)):
+                _expect("swiglu_gated_bwd", got, want)
         _expect("sigmoid_gate", clops.sigmoid_gate(queue, da_, db_), ref.sigmoid_gate(a, b))
         for got, want in zip(clops.sigmoid_gate_bwd(queue, da_, db_, dc_), ref.sigmoid_gate_bwd(a, b, dc)):
             _expect("sigmoid_gate_bwd", got, want)
