@@ -389,20 +389,23 @@ def run_embedding(queue):
     from clops import reference as ref, tuning
     from clops.reference import rnd
 
-    table, dout = rnd((9, 5), 1), rnd((21, 5), 2)
-    ids = np.random.default_rng(3).integers(-1, 10, 21).astype(np.int32)  # some out of range
-    t_, d_, i_ = (cla.to_device(queue, a) for a in (table, dout, ids))
-    for params in _tiles({"wg": 4}, None):  # 21 ids, blocks of 8: every kind of sort pass
-        tuning.override("embedding", {}, params)
-        invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
-        _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
-        _expect("embedding_bwd", clops.embedding_bwd(queue, i_, d_, vocab=9, invalid=invalid),
-                ref.embedding_bwd(ids, dout, 9), 1e-6)
-    for dtype in NARROW:
-        t16, d16 = table.astype(dtype), dout.astype(dtype)
-        _expect(f"embedding {dtype}", clops.embedding(queue, cla.to_device(queue, t16), i_), ref.embedding(t16, ids), 0)
-        _expect(f"embedding_bwd {dtype}", clops.embedding_bwd(queue, i_, cla.to_device(queue, d16), vocab=9),
-                ref.embedding_bwd(ids, d16, 9), NARROW_TOL)
+    ids = np.random.default_rng(3).integers(-1, 10, 100).astype(np.int32)  # some out of range
+    i_ = cla.to_device(queue, ids)
+    for d in (5, 8):  # the gradient's rows element by element, then in vectors of 4
+        table, dout = rnd((9, d), 1), rnd((100, d), 2)
+        t_, d_ = (cla.to_device(queue, a) for a in (table, dout))
+        for params in _tiles({"wg": 4}, None):  # 100 ids, blocks of 32 keys: every kind of sort pass
+            tuning.override("embedding", {}, params)
+            invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
+            _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
+            _expect("embedding_bwd", clops.embedding_bwd(queue, i_, d_, vocab=9, invalid=invalid),
+                    ref.embedding_bwd(ids, dout, 9), 1e-6)
+        for dtype in NARROW:
+            t16, d16 = table.astype(dtype), dout.astype(dtype)
+            _expect(f"embedding {dtype}", clops.embedding(queue, cla.to_device(queue, t16), i_),
+                    ref.embedding(t16, ids), 0)
+            _expect(f"embedding_bwd {dtype}", clops.embedding_bwd(queue, i_, cla.to_device(queue, d16), vocab=9),
+                    ref.embedding_bwd(ids, d16, 9), NARROW_TOL)
     tuning.override("embedding", {}, None)
 
 
