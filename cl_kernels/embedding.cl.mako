@@ -20,8 +20,8 @@
 // each vocab row's first key (a binary search per row: start[v], v ≤ vocab);
 // embedding_accumulate, one work-group per vocab row, adds the dout rows of its
 // keys in that order (into dtable's own row when acc; a row without tokens is
-// then left as it is) in vectors of VW elements, aligned: the main pass streams
-// whole rows of dtable. Same bits every run.
+// then left as it is) in vectors of VW elements, aligned, four tokens' loads in
+// flight: the main pass streams whole rows of dtable. Same bits every run.
 //
 // Parameters: WG work-items per group, COUNT whether invalid ids are counted,
 // IDX the index type (uint when every index fits 32 bits, else ulong), ST the
@@ -170,7 +170,17 @@ void embedding_accumulate(__global ${ctype(gst)} *restrict dtable, __global cons
         return;  // nothing to add
     for (uint j = lid * VW; j < d; j += WG * VW) {
         ${vtype(vw)} sum = acc ? ${load(gst, vw, "dtable", at("dtable", "(idx_t)v * d + j", vw), aligned=True)} : (${vtype(vw)})0.0f;
-        for (uint k = lo; k < hi; ++k)
+        uint k = lo;
+        for (; k + 4 <= hi; k += 4) {  // four rows' loads in flight, added in token order
+%   for u in range(4):
+            const ${vtype(vw)} x${u} = ${load(st, vw, "dout", at("dout", "(idx_t)(uint)keys[%s] * d + j" % at("keys", "k + %d" % u), vw), aligned=True)};
+%   endfor
+            sum += x0;
+            sum += x1;
+            sum += x2;
+            sum += x3;
+        }
+        for (; k < hi; ++k)
             sum += ${load(st, vw, "dout", at("dout", "(idx_t)(uint)keys[%s] * d + j" % at("keys", "k"), vw), aligned=True)};
         ${store(gst, vw, "sum", "dtable", at("dtable", "(idx_t)v * d + j", vw), aligned=True)};
     }
