@@ -58,7 +58,7 @@ void embedding_fwd(__global ${unit} *restrict out, __global const ${unit} *restr
     for (uint size = ${first}; size <= ${last}; size <<= 1) {
         for (uint stride = min(size, (uint)B) / 2; stride > 0; stride >>= 1) {
             for (uint p = lid; p < B / 2; p += WG) {
-                const uint a = (p / stride) * 2 * stride + p % stride, b = a + stride;
+                const uint a = (p & ~(stride - 1)) << 1 | (p & (stride - 1)), b = a + stride;  // strides: powers of two
                 const bool up = ((base + a) & size) == 0;
                 const ulong ka = s[a], kb = s[b];
                 if ((ka > kb) == up) {
@@ -118,7 +118,7 @@ __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void bitonic_global(__global ulong *restrict keys, const uint size, const uint stride, const int both${checked_args("keys")})
 {
     const uint p = get_global_id(0), gap = stride / 2;
-    const uint a = (p / gap) * 2 * stride + p % gap;
+    const uint a = (p & ~(gap - 1)) << 2 | (p & (gap - 1));  // (p / gap)·2·stride + p % gap, gap a power of two
     const bool up = (a & size) == 0;  // the same for all four: they lie in one block of 2·stride ≤ size
     ulong k[4];
     for (int r = 0; r < 4; ++r)
