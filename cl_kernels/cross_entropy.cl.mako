@@ -149,6 +149,10 @@ void cross_entropy_fwd(__global float *restrict loss, __global float *restrict l
     __local float lm[WG], ls[WG], lz[WG];
     const uint lid = get_local_id(0);
     ${row_split()}
+    const int t = targets[${at("targets", "row")}];
+    const bool in_row = t != ignore_index && t >= 0 && (uint)t < vocab;
+    // the target's z for the loss, read before the row (its latency hidden behind it)
+    const float zt = lid == 0 && in_row ? ${capped(load(st, 1, "logits", at("logits", "base + (uint)t")))} : 0.0f;
     float m = -INFINITY, s = 0.0f, zsum = 0.0f;
     ${over_row(absorb)}
     lm[lid] = m;
@@ -167,15 +171,13 @@ void cross_entropy_fwd(__global float *restrict loss, __global float *restrict l
     if (lid == 0) {
         const float lse = lm[0] + log(ls[0]);
         lse_out[${at("lse_out", "row")}] = lse;
-        const int t = targets[${at("targets", "row")}];
         float l;
         if (t == ignore_index)
             l = 0.0f;
-        else if (t < 0 || (uint)t >= vocab)
+        else if (!in_row)
             l = NAN;
         else
-            l = (1.0f - smoothing) * (lse - ${capped(load(st, 1, "logits", at("logits", "base + (uint)t")))})${
-                "\n                + smoothing * (lse - lz[0] / (float)vocab)" if smooth else ""};
+            l = (1.0f - smoothing) * (lse - zt)${"\n                + smoothing * (lse - lz[0] / (float)vocab)" if smooth else ""};
         loss[${at("loss", "row")}] = l;
     }
 }
