@@ -12,7 +12,9 @@
 // with step_size = lr/(1 − β1^step) and bc2_sqrt = sqrt(1 − β2^step) from the host.
 // Work-item g of group b handles EPT vectors of VW elements at
 // (b·WG·EPT + g)·VW + k·WG·VW, k < EPT (each step of a group one contiguous
-// run); a vector that would cross n is done element by element.
+// run), every array accessed as whole vectors aligned to their size (vload of
+// floats only assumes 4-byte alignment: NVIDIA's compiler splits it into
+// scalar accesses); a vector that would cross n is done element by element.
 //
 // Parameters: WG work-items per group, VW vector width, EPT vectors per work
 // item, IDX the index type (uint when every index fits 32 bits, else ulong), GST
@@ -43,12 +45,14 @@ void adamw(__global float *restrict p, __global float *restrict m, __global floa
     for (int k = 0; k < EPT; ++k) {
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
-            ${vtype(vw)} p_ = ${vload(vw, "p", at("p", "i", vw))}, m_ = ${vload(vw, "m", at("m", "i", vw))};
-            ${vtype(vw)} v_ = ${vload(vw, "v", at("v", "i", vw))}, g_ = ${load(gst, vw, "g", at("g", "i", vw), aligned=True)};
+            ${vtype(vw)} p_ = ${load("float", vw, "p", at("p", "i", vw), aligned=True)};
+            ${vtype(vw)} m_ = ${load("float", vw, "m", at("m", "i", vw), aligned=True)};
+            ${vtype(vw)} v_ = ${load("float", vw, "v", at("v", "i", vw), aligned=True)};
+            ${vtype(vw)} g_ = ${load(gst, vw, "g", at("g", "i", vw), aligned=True)};
             ${update(vtype(vw))}
-            ${vstore(vw, "pi", "p", at("p", "i", vw))};
-            ${vstore(vw, "m_", "m", at("m", "i", vw))};
-            ${vstore(vw, "v_", "v", at("v", "i", vw))};
+            ${store("float", vw, "pi", "p", at("p", "i", vw), aligned=True)};
+            ${store("float", vw, "m_", "m", at("m", "i", vw), aligned=True)};
+            ${store("float", vw, "v_", "v", at("v", "i", vw), aligned=True)};
 % if pst:
             ${store(pst, vw, "pi", "p_half", at("p_half", "i", vw), aligned=True)};
 % endif

@@ -10,7 +10,8 @@
 //
 // Parameters: WG work-items per group, VW vector width, EPT vectors per work
 // item, IDX the index type (uint when every index fits 32 bits, else ulong), ST
-// the activations' storage type, GST that of the gathered gate / row weight.
+// the activations' storage type, GST that of the gathered gate / row weight,
+// ROW_ALIGNED whether the row width is a multiple of VW (0 for the flat ops).
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
 #define VW ${vw}
@@ -22,41 +23,49 @@ ${common.storage(st, gst)}\
 ## One kernel: `outs` written, `ins` read with the same index, `gathers`
 ## (name, "row" or "col") read per element at its row or column of the
 ## [n / width, width] view, `body(T)` the math on values of type T (float or
-## floatN). A vector's lanes take the first lane's row and column, stepped (one
-## division per vector, not per lane: per lane it made 16-bit storage compute-bound).
+## floatN). A work-item finds the row and column of its first vector with one
+## division and steps them with i (per vector or per lane, divisions made 16-bit
+## storage compute-bound). With ROW_ALIGNED (width a multiple of VW) a vector lies
+## in one row: a row gather is one scalar for the vector and a column gather one
+## aligned vector; else each lane steps the column from the first lane's.
 <%def name="kernel(name, outs, ins, body, gathers=(), scalars=())">
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o in outs] + ["__global const %s *restrict %s_in" % (ctype(st), i) for i in ins] + ["__global const %s *restrict %s_src" % (ctype(gst), g) for g, _ in gathers] + ["const idx_t n"] + list(scalars))}${checked_args(*["%s_out" % o for o in outs], *["%s_in" % i for i in ins], *["%s_src" % g for g, _ in gathers])})
 {
     const idx_t first = ((idx_t)get_group_id(0) * (WG * EPT) + (idx_t)get_local_id(0)) * VW;
+% if gathers:
+    idx_t row = first / width, col = first - row * width;  // of element i, stepped with it
+%   if ept > 1:
+    const idx_t step_rows = (idx_t)(WG * VW) / width, step_cols = (idx_t)(WG * VW) - step_rows * width;
+%   endif
+% endif
     for (int k = 0; k < EPT; ++k) {
         const idx_t i = first + (idx_t)k * (WG * VW);
         if (i + VW <= n) {
 % for x in ins:
             ${vtype(vw)} ${x} = ${load(st, vw, x + "_in", at(x + "_in", "i", vw), aligned=True)};
 % endfor
-% if gathers:
-            const idx_t row = i / width, col = i - row * width;
-%   for g, kind in gathers:
-%     if vw == 1:
-            float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", kind))};
-%     else:
+% for g, kind in gathers:
+%   if vw == 1 or (row_aligned and kind == "row"):
+            const float ${g} = ${load(gst, 1, g + "_src", at(g + "_src", kind))};
+%   elif row_aligned:
+            const ${vtype(vw)} ${g} = ${load(gst, vw, g + "_src", at(g + "_src", "col", vw), aligned=True)};
+%   else:
             ${vtype(vw)} ${g};
             {
                 idx_t r = row, c = col;
-%       for l in range(vw):
-%         if l:
+%     for l in range(vw):
+%       if l:
                 if (++c == width) {  // the vector crosses into the next row
                     c = 0;
                     ++r;
                 }
-%         endif
+%       endif
                 ${g}.s${"%x" % l} = ${load(gst, 1, g + "_src", at(g + "_src", "r" if kind == "row" else "c"))};
-%       endfor
+%     endfor
             }
-%     endif
-%   endfor
-% endif
+%   endif
+% endfor
 % for o in outs:
             ${vtype(vw)} ${o};
 % endfor
@@ -81,6 +90,14 @@ void ${name}(${", ".join(["__global %s *restrict %s_out" % (ctype(st), o) for o 
 % endfor
             }
         }
+% if gathers and ept > 1:
+        col += step_cols;
+        row += step_rows;
+        if (col >= width) {
+            col -= width;
+            ++row;
+        }
+% endif
     }
 }
 </%def>

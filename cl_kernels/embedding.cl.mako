@@ -10,21 +10,27 @@
 // embedding_fwd: one work-group per token row, work-items across the row's
 // bits in units of UNIT (the widest of uint4, uint2, uint, ushort that divides
 // a row's bytes: a 16-bit row moves 16 bytes per access as a float32 one does).
-// The gradient, without atomics: the keys id·2³² + i (id = vocab for an id
-// out of range) are sorted (a bitonic sort over NP = n rounded up to a power of
-// two, padded with ~0: embedding_keys, then bitonic_block for every stride
-// below 2·WG in local memory and bitonic_global for the larger ones), so each
-// vocab row's tokens lie together in increasing i; embedding_accumulate, one
-// work-group per vocab row, finds its run by binary search and adds the run's
-// dout rows in that order (into dtable's own row when ACC). Same bits every run.
+// The gradient, without atomics: the keys id·2³² + i (id = vocab for an id out
+// of range) are sorted, so that each vocab row's tokens lie together in
+// increasing i. A bitonic sort over NP = n rounded up to a power of two, padded
+// with ~0, in blocks of B = 8·WG keys: embedding_keys makes each block's keys
+// and sorts it in local memory; then for each size above B, bitonic_global
+// takes the strides ≥ B two at a time (four keys per work-item) and
+// bitonic_block the strides below B in local memory. embedding_offsets finds
+// each vocab row's first key (a binary search per row: start[v], v ≤ vocab);
+// embedding_accumulate, one work-group per vocab row, adds the dout rows of its
+// keys in that order (into dtable's own row when acc; a row without tokens is
+// then left as it is) in vectors of VW elements, aligned, four tokens' loads in
+// flight: the main pass streams whole rows of dtable. Same bits every run.
 //
 // Parameters: WG work-items per group, COUNT whether invalid ids are counted,
 // IDX the index type (uint when every index fits 32 bits, else ulong), ST the
 // storage type of table, out and dout, GST that of dtable (float32 or ST),
-// UNIT the lookup's copy type.
+// UNIT the lookup's copy type, VW the gradient's vector width (dividing d).
 <%namespace name="common" file="common.cl.mako"/>\
 #define WG ${wg}
-#define B (2 * WG)
+#define B (8 * WG)
+#define VW ${vw}
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st, gst)}\
@@ -46,87 +52,136 @@ void embedding_fwd(__global ${unit} *restrict out, __global const ${unit} *restr
         out[${at("out", "i * d + j")}] = ok ? table[${at("table", "(idx_t)id * d + j")}] : (${unit})0;
 }
 
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void embedding_keys(__global ulong *restrict keys, __global const int *restrict ids${invalid_arg},
-                    const uint n, const uint vocab${checked_args("keys", "ids", *(["invalid"] if count else []))})
-{
-    const uint i = get_global_id(0);  // every key of the padded array
-    if (i >= n) {
-        keys[${at("keys", "i")}] = ~(ulong)0;
-        return;
-    }
-    const int id = ids[${at("ids", "i")}];
-    const bool ok = id >= 0 && (uint)id < vocab;
-% if count:
-    if (!ok)
-        atomic_inc(invalid);
-% endif
-    keys[${at("keys", "i")}] = (ulong)(ok ? (uint)id : vocab) << 32 | i;
-}
-
-// Strides below B within one block of B keys, in local memory: for every size from
-// size_first to size_last (powers of two), strides min(size, B)/2 down to 1.
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void bitonic_block(__global ulong *restrict keys, const uint size_first, const uint size_last${checked_args("keys")})
-{
-    __local ulong s[B];
-    const uint lid = get_local_id(0), base = get_group_id(0) * B;
-    s[lid] = keys[${at("keys", "base + lid")}];
-    s[lid + WG] = keys[${at("keys", "base + lid + WG")}];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint size = size_first; size <= size_last; size <<= 1) {
+## Every size from `first` to `last` (powers of two), strides min(size, B)/2 down to 1, over the
+## block of keys in local `s`.
+<%def name="block_sort(first, last)">\
+    for (uint size = ${first}; size <= ${last}; size <<= 1) {
         for (uint stride = min(size, (uint)B) / 2; stride > 0; stride >>= 1) {
-            const uint a = (lid / stride) * 2 * stride + lid % stride, b = a + stride;
-            const bool up = ((base + a) & size) == 0;
-            const ulong ka = s[a], kb = s[b];
-            if ((ka > kb) == up) {
-                s[a] = kb;
-                s[b] = ka;
+            for (uint p = lid; p < B / 2; p += WG) {
+                const uint a = (p & ~(stride - 1)) << 1 | (p & (stride - 1)), b = a + stride;  // strides: powers of two
+                const bool up = ((base + a) & size) == 0;
+                const ulong ka = s[a], kb = s[b];
+                if ((ka > kb) == up) {
+                    s[a] = kb;
+                    s[b] = ka;
+                }
             }
             barrier(CLK_LOCAL_MEM_FENCE);
         }
     }
-    keys[${at("keys", "base + lid")}] = s[lid];
-    keys[${at("keys", "base + lid + WG")}] = s[lid + WG];
-}
+</%def>
 
-// One stride (≥ B) of one size over all keys: work-item p compares the pair (a, a + stride).
+// Each block of B keys made from the ids and sorted (sizes 2 to B).
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void bitonic_global(__global ulong *restrict keys, const uint size, const uint stride${checked_args("keys")})
+void embedding_keys(__global ulong *restrict keys, __global const int *restrict ids${invalid_arg},
+                    const uint n, const uint vocab${checked_args("keys", "ids", *(["invalid"] if count else []))})
 {
-    const uint p = get_global_id(0);
-    const uint a = (p / stride) * 2 * stride + p % stride, b = a + stride;
-    const bool up = (a & size) == 0;
-    const ulong ka = keys[${at("keys", "a")}], kb = keys[${at("keys", "b")}];
-    if ((ka > kb) == up) {
-        keys[${at("keys", "a")}] = kb;
-        keys[${at("keys", "b")}] = ka;
+    __local ulong s[B];
+    const uint lid = get_local_id(0), base = get_group_id(0) * B;
+    for (uint p = lid; p < B; p += WG) {
+        const uint i = base + p;
+        ulong key = ~(ulong)0;
+        if (i < n) {
+            const int id = ids[${at("ids", "i")}];
+            const bool ok = id >= 0 && (uint)id < vocab;
+% if count:
+            if (!ok)
+                atomic_inc(invalid);
+% endif
+            key = (ulong)(ok ? (uint)id : vocab) << 32 | i;
+        }
+        s[p] = key;
     }
+    barrier(CLK_LOCAL_MEM_FENCE);
+${block_sort("2", "B")}\
+    for (uint p = lid; p < B; p += WG)
+        keys[${at("keys", "base + p")}] = s[p];
 }
 
+// The strides of merge_size below B, in local memory.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void embedding_accumulate(__global ${ctype(gst)} *restrict dtable, __global const ${ctype(st)} *restrict dout,
-                          __global const ulong *restrict keys, const uint n, const uint d,
-                          const int acc${checked_args("dtable", "dout", "keys")})
+void bitonic_block(__global ulong *restrict keys, const uint merge_size${checked_args("keys")})
 {
-    const uint lid = get_local_id(0);
-    const ulong v = get_group_id(0);
-    uint lo = 0, hi = n;  // the first sorted key whose id is ≥ v
+    __local ulong s[B];
+    const uint lid = get_local_id(0), base = get_group_id(0) * B;
+    for (uint p = lid; p < B; p += WG)
+        s[p] = keys[${at("keys", "base + p")}];
+    barrier(CLK_LOCAL_MEM_FENCE);
+${block_sort("merge_size", "merge_size")}\
+    for (uint p = lid; p < B; p += WG)
+        keys[${at("keys", "base + p")}] = s[p];
+}
+
+// Stride `stride` (≥ B) of `size`, and with `both` gap = stride/2 after it: work-item p holds the
+// keys a, a + gap, a + stride, a + stride + gap in registers.
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void bitonic_global(__global ulong *restrict keys, const uint size, const uint stride, const int both${checked_args("keys")})
+{
+    const uint p = get_global_id(0), gap = stride / 2;
+    const uint a = (p & ~(gap - 1)) << 2 | (p & (gap - 1));  // (p / gap)·2·stride + p % gap, gap a power of two
+    const bool up = (a & size) == 0;  // the same for all four: they lie in one block of 2·stride ≤ size
+    ulong k[4];
+    for (int r = 0; r < 4; ++r)
+        k[r] = keys[${at("keys", "a + r * gap")}];
+    for (int r = 0; r < 2; ++r)
+        if ((k[r] > k[r + 2]) == up) {
+            const ulong t = k[r];
+            k[r] = k[r + 2];
+            k[r + 2] = t;
+        }
+    if (both)
+        for (int r = 0; r < 4; r += 2)
+            if ((k[r] > k[r + 1]) == up) {
+                const ulong t = k[r];
+                k[r] = k[r + 1];
+                k[r + 1] = t;
+            }
+    for (int r = 0; r < 4; ++r)
+        keys[${at("keys", "a + r * gap")}] = k[r];
+}
+
+// start[v]: the first sorted key whose id is ≥ v, for v ≤ vocab.
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void embedding_offsets(__global uint *restrict start, __global const ulong *restrict keys, const uint np,
+                       const uint vocab${checked_args("start", "keys")})
+{
+    const uint v = get_global_id(0);
+    if (v > vocab)
+        return;
+    uint lo = 0, hi = np;
     while (lo < hi) {
-        const uint mid = (lo + hi) / 2;
+        const uint mid = lo + (hi - lo) / 2;
         if (keys[${at("keys", "mid")}] >> 32 < v)
             lo = mid + 1;
         else
             hi = mid;
     }
-    for (uint j = lid; j < d; j += WG) {
-        float sum = acc ? ${load(gst, 1, "dtable", at("dtable", "v * d + j"))} : 0.0f;
-        for (uint k = lo; k < n; ++k) {
-            const ulong key = keys[${at("keys", "k")}];
-            if (key >> 32 != v)
-                break;
-            sum += ${load(st, 1, "dout", at("dout", "(idx_t)(uint)key * d + j"))};
+    start[${at("start", "v")}] = lo;
+}
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void embedding_accumulate(__global ${ctype(gst)} *restrict dtable, __global const ${ctype(st)} *restrict dout,
+                          __global const ulong *restrict keys, __global const uint *restrict start, const uint d,
+                          const int acc${checked_args("dtable", "dout", "keys", "start")})
+{
+    const uint lid = get_local_id(0), v = get_group_id(0);
+    const uint lo = start[${at("start", "v")}], hi = start[${at("start", "v + 1")}];
+    if (acc && lo == hi)
+        return;  // nothing to add
+    for (uint j = lid * VW; j < d; j += WG * VW) {
+        ${vtype(vw)} sum = acc ? ${load(gst, vw, "dtable", at("dtable", "(idx_t)v * d + j", vw), aligned=True)} : (${vtype(vw)})0.0f;
+        uint k = lo;
+        for (; k + 4 <= hi; k += 4) {  // four rows' loads in flight, added in token order
+%   for u in range(4):
+            const ${vtype(vw)} x${u} = ${load(st, vw, "dout", at("dout", "(idx_t)(uint)keys[%s] * d + j" % at("keys", "k + %d" % u), vw), aligned=True)};
+%   endfor
+            sum += x0;
+            sum += x1;
+            sum += x2;
+            sum += x3;
         }
-        ${store(gst, 1, "sum", "dtable", at("dtable", "v * d + j"))};
+        for (; k < hi; ++k)
+            sum += ${load(st, vw, "dout", at("dout", "(idx_t)(uint)keys[%s] * d + j" % at("keys", "k"), vw), aligned=True)};
+        ${store(gst, vw, "sum", "dtable", at("dtable", "(idx_t)v * d + j", vw), aligned=True)};
     }
 }

@@ -26,7 +26,7 @@ SPEC = Spec(
     "elementwise", "elementwise.cl.mako", ("wg", "vw", "ept"),
     lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "ept": [1, 2, 4, 8, 16]},
     heuristic, rules=lambda p, sc: ((p["vw"] in (1, 2, 4, 8, 16), "vw must be 1, 2, 4, 8 or 16"),),
-    render=lambda p, sc: dict(p, st="float", gst="float"),  # storage types: each call passes its own
+    render=lambda p, sc: dict(p, st="float", gst="float", row_aligned=0),  # each call passes its own
     doc="wg work-items per group, vw vector width, ept vectors per work-item")
 
 
@@ -34,18 +34,22 @@ SPEC = Spec(
 IN_PLACE = ("a", "b", "dc")
 
 
-def _plan(queue, name, n, st, gst):
-    """(kernel, grid, n as its index type) of elementwise kernel ``name`` over ``n`` elements."""
+def _plan(queue, name, n, st, gst, width):
+    """(kernel, grid, n as its index type) of elementwise kernel ``name`` over ``n`` elements (rows of
+    ``width`` for a gathering kernel, else None)."""
     p = SPEC.params(queue.device, {})
     per_group = p["wg"] * p["ept"] * p["vw"]
     idx = index_type(n + per_group)
-    _, knl = SPEC.kernels(queue, {}, idx=idx, st=st, gst=gst)
+    row_aligned = int(width is not None and width % p["vw"] == 0)  # each vector within one row
+    _, knl = SPEC.kernels(queue, {}, idx=idx, st=st, gst=gst, row_aligned=row_aligned)
     return knl[name], (-(-n // per_group),), index_scalar(idx)(n), index_scalar(idx)
 
 
 def _launch(queue, name, outs, ins, n, scalars=(), gathers=(), wait_for=None):
+    """``scalars`` end with the row width when there are ``gathers``."""
     st, gst = storage(ins[0].dtype), storage(gathers[0].dtype) if gathers else "float"
-    knl, groups, count, itype = SPEC.plan(queue, (name, n, st, gst), _plan, name, n, st, gst)
+    width = scalars[-1] if gathers else None
+    knl, groups, count, itype = SPEC.plan(queue, (name, n, st, gst, width), _plan, name, n, st, gst, width)
     arrays = (*outs, *ins, *gathers)
     args = [a.base_data for a in arrays]
     args.append(count)

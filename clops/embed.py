@@ -6,14 +6,15 @@ host and copied without waiting), ``out``/``dout [n, d]``; table, out and dout s
 dtype, float32, float16 or bfloat16 (the lookup copies the stored values). dtable, the table's
 gradient, is float32 when the op makes it (it has no table argument to take a dtype from), float32
 or dout's dtype when given; each element is summed in float32, a given dtable's value first, and
-rounded once. Ids outside
+rounded once (a given dtable's rows without tokens are left as they are). Ids outside
 ``[0, vocab)`` are refused when they come from the host; on the device they read nothing (their
 output row is zeros, their gradient is dropped) and, when an int32 ``[1]`` device array
-``invalid=`` is given, are counted into it. The gradient sorts the (id, token) pairs on the device (a bitonic sort, no
-float atomics) and adds each vocab row's token rows in token order: the same bits every run.
+``invalid=`` is given, are counted into it. The gradient sorts the (id, token) pairs on the
+device (a bitonic sort, no float atomics), finds each vocab row's run of them, and adds each
+vocab row's token rows in token order: the same bits every run.
 
 Tuning: op ``"embedding"``, shape class ``{}``, parameter ``wg``: work-items per group (a power
-of two; the sort works on blocks of ``2·wg`` keys in local memory).
+of two; the sort works on blocks of ``8·wg`` keys in local memory).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def heuristic(dev, sc):
 
 SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
             rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
-            local_bytes=lambda p, sc: 16 * p["wg"],
-            render=lambda p, sc: dict(p, st="float", gst="float", unit="uint"),  # each call passes its own
+            local_bytes=lambda p, sc: 64 * p["wg"],
+            render=lambda p, sc: dict(p, st="float", gst="float", unit="uint", vw=1),  # each call passes its own
             doc="embedding and embedding_bwd: wg work-items per group")
 
 
@@ -42,9 +43,9 @@ def _invalid(queue, invalid):
     return invalid
 
 
-def _kernels(queue, invalid, dtype, *sizes, grad_dtype=F32, unit="uint"):
+def _kernels(queue, invalid, dtype, *sizes, grad_dtype=F32, unit="uint", vw=1):
     p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes), st=storage(dtype),
-                          gst=storage(grad_dtype), unit=unit)
+                          gst=storage(grad_dtype), unit=unit, vw=vw)
     return p["wg"], knl
 
 
@@ -97,29 +98,33 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
         check_array("dtable", dtable, queue, shape=(vocab, d), dtype=grad_dtypes)
     (dtable,) = outputs(queue, allocator, [("dtable", dtable, (vocab, d), F32 if dtable is None else dtable.dtype)],
                         [("ids", ids), ("dout", dout), ("invalid", invalid)])
-    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, grad_dtype=dtable.dtype)
-    block = 2 * wg
+    # the gradient's vectors: 16 bytes of dtable, or the widest vector that divides d
+    vw = next(w for w in (8, 4, 2, 1) if w * dtable.dtype.itemsize <= 16 and d % w == 0)
+    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, grad_dtype=dtable.dtype, vw=vw)
+    block = 8 * wg
     padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
     keys = scratch(queue, 2 * padded, allocator)  # ulong keys
-    evts = [knl["embedding_keys"](queue, (padded // wg,), [keys, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
+    start = scratch(queue, vocab + 1, allocator)  # uint: each vocab row's first key
+    evts = [knl["embedding_keys"](queue, (padded // block,), [keys, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
                                   + [np.uint32(n), np.uint32(vocab)], wait_for=events(wait_for, ids, invalid))]
 
-    def sort(name, groups, *sizes):  # each pass waits on the one before
-        evts.append(knl[name](queue, (groups,), [keys, *map(np.uint32, sizes)], wait_for=evts[-1:]))
+    def then(name, groups, *args):  # each kernel waits on the one before
+        evts.append(knl[name](queue, (groups,), [*args], wait_for=evts[-1:]))
 
-    sort("bitonic_block", padded // block, 2, block)
     size = 2 * block
     while size <= padded:
         stride = size // 2
-        while stride >= block:
-            sort("bitonic_global", padded // 2 // wg, size, stride)
-            stride //= 2
-        sort("bitonic_block", padded // block, size, size)
+        while stride >= block:  # two strides a launch while both are ≥ the block
+            both = stride // 2 >= block
+            then("bitonic_global", padded // 4 // wg, keys, np.uint32(size), np.uint32(stride), np.int32(both))
+            stride //= 4 if both else 2
+        then("bitonic_block", padded // block, keys, np.uint32(size))
         size *= 2
-    evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.base_data, dout.base_data, keys, np.uint32(padded), np.uint32(d),
+    then("embedding_offsets", -(-(vocab + 1) // wg), start, keys, np.uint32(padded), np.uint32(vocab))
+    evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.base_data, dout.base_data, keys, start, np.uint32(d),
                                                         np.int32(accumulate)],
                                       wait_for=evts[-1:] + events(None, dtable, dout))
-    hold([evt], keys, ids, dout, dtable, invalid)
+    hold([evt], keys, start, ids, dout, dtable, invalid)
     if invalid is not None:
         wrote([evts[0]], invalid)
     return wrote([evt], dtable)[0]

@@ -6,12 +6,13 @@ int32 (a device array, or a numpy array that is checked on the host and copied w
 ``loss`` and ``lse`` float32 ``[n]`` always, ``dlogits`` of the logits' dtype. One pass
 over each row (an online max and sum), any vocab size. ``label_smoothing`` as
 ``torch.nn.functional.cross_entropy`` defines it; ``softcap=c`` replaces each logit x by
-``c·tanh(x/c)`` first. Rows whose target is ``ignore_index`` have loss 0 and gradient 0 (lse
-is still theirs); a target outside ``[0, vocab)`` from the host is refused, from the device
-gives that row loss NaN and gradient 0. No reduction: the caller sums or averages ``loss``
-(and scales ``dloss`` to match).
+``c·tanh(x/c)`` first. A logit of −∞ (a masked token) adds nothing. Rows whose target is
+``ignore_index`` have loss 0 and gradient 0 (lse is still theirs); a target outside
+``[0, vocab)`` from the host is refused, from the device gives that row loss NaN and gradient 0.
+No reduction: the caller sums or averages ``loss`` (and scales ``dloss`` to match).
 
-Tuning: op ``"cross_entropy"``, shape class ``{}``, parameter ``wg``, work-items per row.
+Tuning: op ``"cross_entropy"``, shape class ``{}``, parameters ``wg``, work-items per row, and
+``unroll``, the 16-byte vectors each work-item loads per step before their arithmetic.
 """
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ from .spec import Spec
 
 
 def heuristic(dev, sc):
-    return {"wg": int(min(256 if dev.type & cl.device_type.GPU else 64, dev.max_work_group_size))}
+    gpu = bool(dev.type & cl.device_type.GPU)
+    # GPU: 32 bytes in flight per work-item (a memory-bound row needs them to cover the latency)
+    return {"wg": int(min(256 if gpu else 64, dev.max_work_group_size)), "unroll": 2 if gpu else 1}
 
 
-SPEC = Spec("cross_entropy", "cross_entropy.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512, 1024]},
+SPEC = Spec("cross_entropy", "cross_entropy.cl.mako", ("wg", "unroll"),
+            lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "unroll": [1, 2, 4]},
             heuristic, local_bytes=lambda p, sc: 12 * p["wg"],
-            render=lambda p, sc: dict(p, st="float"),  # the logits' storage type: each call passes its own
-            doc="cross_entropy and cross_entropy_bwd: wg work-items per row")
+            # the logits' storage type and whether the forward sums z: each call passes its own
+            render=lambda p, sc: dict(p, st="float", smooth=1),
+            doc="cross_entropy and cross_entropy_bwd: wg work-items per row, unroll 16-byte vectors per "
+                "work-item per step")
 
 
 def _scalars(ignore_index, label_smoothing, softcap):
@@ -57,8 +63,9 @@ def _geometry(queue, logits, targets, ignore_index, allocator):
     return n, vocab, targets
 
 
-def _kernel(queue, name, logits, cap):
-    _, knl = SPEC.kernels(queue, {}, cap=int(cap > 0), idx=index_type(logits.size), st=storage(logits.dtype))
+def _kernel(queue, name, logits, cap, smoothing):
+    _, knl = SPEC.kernels(queue, {}, cap=int(cap > 0), smooth=int(smoothing > 0), idx=index_type(logits.size),
+                          st=storage(logits.dtype))
     return knl[name]
 
 
@@ -69,7 +76,7 @@ def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=
     n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
     loss, lse = outputs(queue, allocator, [("loss", loss, (n,)), ("lse", lse, (n,))],
                         [("logits", logits), ("targets", targets)])
-    knl = _kernel(queue, "cross_entropy_fwd", logits, cap)
+    knl = _kernel(queue, "cross_entropy_fwd", logits, cap, smoothing)
     evt = knl(queue, (n,), [loss.base_data, lse.base_data, logits.base_data, targets.base_data, np.uint32(vocab), np.int32(ignore_index),
                             np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, loss, lse, logits, targets))
@@ -90,7 +97,7 @@ def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, 
     (dlogits,) = outputs(queue, allocator, [("dlogits", dlogits, (n, vocab))],
                          [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
                          in_place=("logits",), dtype=logits.dtype)
-    knl = _kernel(queue, "cross_entropy_bwd", logits, cap)
+    knl = _kernel(queue, "cross_entropy_bwd", logits, cap, smoothing)  # the forward's program
     evt = knl(queue, (n,), [dlogits.base_data, logits.base_data, targets.base_data, lse.base_data, dloss.base_data, np.uint32(vocab),
                             np.int32(ignore_index), np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, dlogits, logits, targets, lse, dloss))

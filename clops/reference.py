@@ -310,7 +310,8 @@ def cross_entropy(logits, targets, ignore_index=-100, label_smoothing=0.0, softc
     valid = (targets >= 0) & (targets < z.shape[1])
     picked = z[np.arange(len(z)), np.where(valid, targets, 0)]
     e = label_smoothing
-    loss = np.where(valid, (1 - e) * (lse - picked) + e * (lse - z.mean(1)), np.nan)
+    smooth = e * (lse - z.mean(1)) if e else 0.0  # torch's: no term at all without smoothing (z may hold −∞)
+    loss = np.where(valid, (1 - e) * (lse - picked) + smooth, np.nan)
     return np.where(targets == ignore_index, 0.0, loss), lse
 
 

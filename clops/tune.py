@@ -588,16 +588,17 @@ def table(head, results, top=20):
     names = _names(head, results)
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"])
     unit = next((u for u in ("GB/s", "TFLOP/s") if ok and u in ok[0]), "")
-    cols = "".join(f"{n:>6}" for n in names)
+    width = {n: max(6, len(n) + 1) for n in names}  # a space before each name
+    cols = "".join(f"{n:>{width[n]}}" for n in names)
     lines = [f"{cols} {'ms':>10} {unit:>9} {'rel err':>9}"]
     for r in ok[:top]:
-        vals = "".join(f"{r['params'].get(n, '')!s:>6}" for n in names)
+        vals = "".join(f"{r['params'].get(n, '')!s:>{width[n]}}" for n in names)
         lines.append(f"{vals} {r['ms']:>10.4f} {r[unit]:>9.3g} {r['err']:>9.1e}")
     if len(ok) > top:
         lines.append(f"... {len(ok) - top} more correct configurations")
     for r in results:
         if r["status"] != "ok":
-            vals = "".join(f"{r['params'].get(n, '')!s:>6}" for n in names)
+            vals = "".join(f"{r['params'].get(n, '')!s:>{width[n]}}" for n in names)
             lines.append(f"{vals} {r['status'].upper():>10} {r['reason'][:160]}")
     counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "wrong", "failed")}
     lines.append(f"{len(results)} configurations: {counts['ok']} correct, {counts['wrong']} wrong, "

@@ -12,7 +12,7 @@ from clops import program
 from clops.check import all_cases
 from clops.program import BuildError, Kernel, OutOfBoundsError, kernels, render
 
-PARAMS = {"wg": 16, "vw": 4, "ept": 2, "idx": "uint", "st": "float", "gst": "float"}
+PARAMS = {"wg": 16, "vw": 4, "ept": 2, "idx": "uint", "st": "float", "gst": "float", "row_aligned": 0}
 
 
 def test_unchecked_source_has_no_guards(monkeypatch):

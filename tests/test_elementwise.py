@@ -28,7 +28,9 @@ def test_flat_ops_any_length(queue, n):
         assert rel_err(got.get(), want) <= TOL
 
 
-@pytest.mark.parametrize("rows,width", [(1, 1), (3, 7), (5, 4), (2, 4099)])
+# Widths a multiple of the vector width (each vector in one row) and not; more than one step of a
+# work-item's vectors (its row and column stepped past the row's end, and by whole rows).
+@pytest.mark.parametrize("rows,width", [(1, 1), (3, 7), (5, 4), (2, 4099), (3, 1028), (257, 8)])
 def test_row_and_column_ops(queue, rows, width):
     a, b, dc = rnd((rows, width), 4, 4.0), rnd((rows, width), 5, 2.0), rnd((rows, width), 6, 1.0)
     gate, rw = rnd(width, 7, 1.0), rnd(rows, 8, 1.0)
@@ -110,6 +112,22 @@ def test_narrow_storage_within_one_ulp(queue, dtype, n):
     cases += zip(clops.swiglu_gated_bwd(queue, A2, B2, G, DC2), ref.swiglu_gated_bwd(a2, b2, gate, dc2))
     for got, want in cases:
         assert got.dtype == dtype
+        assert ref.ulps_off(got.get(), want, dtype) <= 1
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_narrow_gathers_of_whole_vector_rows(queue, dtype):
+    """The gathered ops at 16-bit storage, gate and row weight too, on rows a multiple of the vector
+    width long (a row weight per vector, the gate read as vectors): within 1 ulp element by element."""
+    rows, width = 37, 96
+    a, b, dc = (rnd((rows, width), s, 4.0).astype(dtype) for s in (1, 2, 3))
+    gate, rw = rnd(width, 7, 1.0).astype(dtype), rnd(rows, 8, 1.0).astype(dtype)
+    A, B, DC, G, RW = to_device(queue, a, b, dc, gate, rw)
+    cases = [(clops.swiglu_gated(queue, A, B, G), ref.swiglu_gated(a, b, gate)),
+             (clops.swiglu_limit(queue, A, B, limit=2.0, scale=0.5, row_weight=RW),
+              ref.swiglu_limit(a, b, limit=2.0, scale=0.5, row_weight=rw))]
+    cases += zip(clops.swiglu_gated_bwd(queue, A, B, G, DC), ref.swiglu_gated_bwd(a, b, gate, dc))
+    for got, want in cases:
         assert ref.ulps_off(got.get(), want, dtype) <= 1
 
 

@@ -23,7 +23,7 @@ def _ids(n, vocab, seed):
 
 
 @pytest.mark.parametrize("n, vocab, d, wg", [(1, 1, 3, None), (37, 5, 16, None), (300, 1000, 7, 16),
-                                             (1025, 50, 33, 8), (64, 64, 1, 4)])
+                                             (1025, 50, 33, 8), (64, 64, 1, 4), (130, 40, 10, 4)])
 def test_parity(queue, n, vocab, d, wg):
     table, dout = rnd((vocab, d), 1), rnd((n, d), 2)
     ids = _ids(n, vocab, 3)

@@ -206,7 +206,7 @@ LOCAL = [
      [{"wg": 16, "split": 1, "bq": 8, "bk": 8, "sq": 2, "sk": 2, "dc": 16, "jc": 4, "tr": 2, "td": 4, "vw": 2}]),
     (attn.BWD["dqs"], {"hd": 16}, {"idx": "uint"}, [{"wg": 8, "bq": 8, "jc": 5, "tr": 4, "td": 4, "vw": 2}]),
     (elementwise.SPEC, {}, {"idx": "uint"}, []),
-    (loss.SPEC, {}, {"idx": "uint", "cap": 1}, [{"wg": 5}]),
+    (loss.SPEC, {}, {"idx": "uint", "cap": 1}, [{"wg": 5, "unroll": 1}, {"wg": 64, "unroll": 4}]),
     (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8}]),
     (optim.SPEC, {}, {"idx": "uint"}, []),
     (norm.DW, {"d": 96}, {"idx": "uint"}, []),

@@ -13,7 +13,7 @@ import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import reference as ref
+from clops import reference as ref, tuning
 from clops.reference import rel_err, rnd
 from helpers import NARROW, narrow_ulps, to_device
 
@@ -92,6 +92,52 @@ def test_narrow_logits(queue, dtype, n, vocab, smoothing, softcap, scale):
     assert ref.ulps_off(grad.get(), want, dtype, scale=np.abs(want).max(1, keepdims=True)) <= narrow_ulps(dtype, 1e-5)
     assert clops.cross_entropy_bwd(queue, dx, dt, lse, ddl, dlogits=dx, **kw) is dx
     assert dx.get().tobytes() == grad.get().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), NARROW[1]], ids=str)
+@pytest.mark.parametrize("params", [{"wg": 7, "unroll": 2}, {"wg": 32, "unroll": 4}], ids=str)
+def test_launch_parameters(queue, dtype, params):
+    """Groups not a power of two, several vectors per step; rows of an odd vocab start off and on the
+    vector boundary."""
+    n, vocab = 5, 1003
+    x = rnd((n, vocab), 13, 6.0).astype(dtype)
+    t, dloss = _targets(n, vocab, 14), rnd(n, 15)
+    kw = dict(ignore_index=IGNORE, label_smoothing=0.1)
+    dx, ddl = to_device(queue, x, dloss)
+    tuning.override("cross_entropy", {}, params)
+    try:
+        loss, lse = clops.cross_entropy(queue, dx, t, **kw)
+        grad = clops.cross_entropy_bwd(queue, dx, t, lse, ddl, **kw).get()
+    finally:
+        tuning.override("cross_entropy", {}, None)
+    want_loss, want_lse = ref.cross_entropy(x, t, **kw)
+    assert rel_err(lse.get(), want_lse) <= 1e-6 and rel_err(loss.get(), want_loss) <= 1e-6
+    want = ref.cross_entropy_bwd(x, t, lse.get(), dloss, **kw)
+    if dtype == np.float32:
+        assert rel_err(grad, want) <= 1e-5
+    else:
+        assert ref.ulps_off(grad, want, dtype, scale=np.abs(want).max(1, keepdims=True)) <= narrow_ulps(dtype, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), NARROW[1]], ids=str)
+def test_infinite_logits(queue, dtype):
+    """−∞ logits (masked tokens) add nothing, wherever they are: a row's first half (each work-item's
+    first logits), every other one, all but the target's; +∞ makes lse +∞."""
+    n, vocab = 4, 300
+    x = rnd((n, vocab), 16, 4.0)
+    t = np.array([200, 1, 7, 3], np.int32)
+    x[0, :150] = x[1, ::2] = x[2] = -np.inf
+    x[2, 7] = 1.0
+    x[3, 5] = np.inf
+    x = x.astype(dtype)
+    dx, ddl = to_device(queue, x, np.ones(n, np.float32))
+    loss, lse = clops.cross_entropy(queue, dx, t)
+    want_loss, want_lse = ref.cross_entropy(x[:3], t[:3])
+    assert rel_err(lse.get()[:3], want_lse) <= 1e-6 and rel_err(loss.get()[:3], want_loss) <= 1e-6
+    assert lse.get()[3] == np.inf
+    grad = clops.cross_entropy_bwd(queue, dx, t, lse, ddl).get()[:3].astype(np.float64)
+    want = ref.cross_entropy_bwd(x[:3], t[:3], lse.get()[:3], np.ones(3))
+    assert not grad[np.isinf(x[:3])].any() and np.abs(grad - want).max() <= 1e-5 * np.abs(want).max() + 2e-3
 
 
 def test_refusals(queue):

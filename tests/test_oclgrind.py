@@ -68,12 +68,16 @@ def run_elementwise(queue):
         _expect("swiglu", clops.swiglu(queue, da_, db_), ref.swiglu(a, b))
         for got, want in zip(clops.swiglu_bwd(queue, da_, db_, dc_), ref.swiglu_bwd(a, b, dc)):
             _expect("swiglu_bwd", got, want)
-        for weight in (None, rw):
-            got = clops.swiglu_limit(queue, da_, db_, limit=1.5, scale=0.5, row_weight=None if weight is None else rw_)
-            _expect("swiglu_limit", got, ref.swiglu_limit(a, b, limit=1.5, scale=0.5, row_weight=weight))
-        _expect("swiglu_gated", clops.swiglu_gated(queue, da_, db_, g_), ref.swiglu_gated(a, b, gate))
-        for got, want in zip(clops.swiglu_gated_bwd(queue, da_, db_, g_, dc_), ref.swiglu_gated_bwd(a, b, gate, dc)):
-            _expect("swiglu_gated_bwd", got, want)
+        _expect("swiglu_limit", clops.swiglu_limit(queue, da_, db_, limit=1.5, scale=0.5),
+                ref.swiglu_limit(a, b, limit=1.5, scale=0.5))
+        for cut in (width, 36):  # rows of 36: whole vectors of 4 (a row weight per vector, the gate as vectors)
+            x, y, z, gt = (np.ascontiguousarray(v) for v in (a[:, :cut], b[:, :cut], dc[:, :cut], gate[:cut]))
+            x_, y_, z_, gt_ = (cla.to_device(queue, v) for v in (x, y, z, gt))
+            got = clops.swiglu_limit(queue, x_, y_, limit=1.5, scale=0.5, row_weight=rw_)
+            _expect("swiglu_limit rows", got, ref.swiglu_limit(x, y, limit=1.5, scale=0.5, row_weight=rw))
+            _expect("swiglu_gated", clops.swiglu_gated(queue, x_, y_, gt_), ref.swiglu_gated(x, y, gt))
+            for got, want in zip(clops.swiglu_gated_bwd(queue, x_, y_, gt_, z_), ref.swiglu_gated_bwd(x, y, gt, z)):
+                _expect("swiglu_gated_bwd", got, want)
         _expect("sigmoid_gate", clops.sigmoid_gate(queue, da_, db_), ref.sigmoid_gate(a, b))
         for got, want in zip(clops.sigmoid_gate_bwd(queue, da_, db_, dc_), ref.sigmoid_gate_bwd(a, b, dc)):
             _expect("sigmoid_gate_bwd", got, want)
@@ -360,7 +364,9 @@ def run_cross_entropy(queue):
     x, dloss = rnd((3, 45), 1, 4.0), rnd(3, 2)
     t = np.array([7, -100, 44], np.int32)
     x_, dl_ = cla.to_device(queue, x), cla.to_device(queue, dloss)
-    for params in _tiles({"wg": 16}, {"wg": 5}, None):  # 45 columns: a last step that does not fill the group
+    # 45 columns: rows starting off and on a vector boundary, an edge longer than a group of 4, steps of
+    # 2 vectors and then of 1, a last step that does not fill the group
+    for params in _tiles({"wg": 4, "unroll": 2}, {"wg": 5, "unroll": 1}, None):
         tuning.override("cross_entropy", {}, params)
         for cap in (None, 10.0):
             loss, lse = clops.cross_entropy(queue, x_, t, label_smoothing=0.1, softcap=cap)
@@ -410,20 +416,23 @@ def run_embedding(queue):
     from clops import reference as ref, tuning
     from clops.reference import rnd
 
-    table, dout = rnd((9, 5), 1), rnd((21, 5), 2)
-    ids = np.random.default_rng(3).integers(-1, 10, 21).astype(np.int32)  # some out of range
-    t_, d_, i_ = (cla.to_device(queue, a) for a in (table, dout, ids))
-    for params in _tiles({"wg": 4}, None):  # 21 ids, blocks of 8: every kind of sort pass
-        tuning.override("embedding", {}, params)
-        invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
-        _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
-        _expect("embedding_bwd", clops.embedding_bwd(queue, i_, d_, vocab=9, invalid=invalid),
-                ref.embedding_bwd(ids, dout, 9), 1e-6)
-    for dtype in NARROW:
-        t16, d16 = table.astype(dtype), dout.astype(dtype)
-        _expect(f"embedding {dtype}", clops.embedding(queue, cla.to_device(queue, t16), i_), ref.embedding(t16, ids), 0)
-        _expect(f"embedding_bwd {dtype}", clops.embedding_bwd(queue, i_, cla.to_device(queue, d16), vocab=9),
-                ref.embedding_bwd(ids, d16, 9), NARROW_TOL)
+    ids = np.random.default_rng(3).integers(-1, 10, 100).astype(np.int32)  # some out of range
+    i_ = cla.to_device(queue, ids)
+    for d in (5, 8):  # the gradient's rows element by element, then in vectors of 4
+        table, dout = rnd((9, d), 1), rnd((100, d), 2)
+        t_, d_ = (cla.to_device(queue, a) for a in (table, dout))
+        for params in _tiles({"wg": 4}, None):  # 100 ids, blocks of 32 keys: every kind of sort pass
+            tuning.override("embedding", {}, params)
+            invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
+            _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
+            _expect("embedding_bwd", clops.embedding_bwd(queue, i_, d_, vocab=9, invalid=invalid),
+                    ref.embedding_bwd(ids, dout, 9), 1e-6)
+        for dtype in NARROW:
+            t16, d16 = table.astype(dtype), dout.astype(dtype)
+            _expect(f"embedding {dtype}", clops.embedding(queue, cla.to_device(queue, t16), i_),
+                    ref.embedding(t16, ids), 0)
+            _expect(f"embedding_bwd {dtype}", clops.embedding_bwd(queue, i_, cla.to_device(queue, d16), vocab=9),
+                    ref.embedding_bwd(ids, d16, 9), NARROW_TOL)
     tuning.override("embedding", {}, None)
 
 

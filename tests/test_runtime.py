@@ -15,7 +15,7 @@ from clops import program, runtime
 from clops.program import BuildError, LimitError, kernels, render
 
 ROOT = Path(__file__).resolve().parents[1]
-PARAMS = dict(wg=32, vw=2, ept=1, idx="uint", st="float", gst="float")
+PARAMS = dict(wg=32, vw=2, ept=1, idx="uint", st="float", gst="float", row_aligned=0)
 
 
 def test_second_call_builds_nothing(ctx_factory):
