@@ -1,20 +1,25 @@
-## Tile products of the matrix-unit attention driver (include with <%namespace>): the seam
-## between the driver (grid, staging, online softmax, masking) and the hardware that multiplies.
+## Tile products of the matrix-unit attention drivers (include with <%namespace>): the seam
+## between a driver (grid, staging, softmax, masking: attention_fwd_mma.cl.mako and
+## attention_bwd_mma.cl.mako) and the hardware that multiplies.
 ##
-## The driver works in warps of 32 work-items, each warp on 16 query rows; lane = lid % 32,
+## A driver works in warps of 32 work-items, each warp on 16 rows (query rows, or keys in the
+## backward's dK/dV pass) against a staged block of BK rows of the other side; lane = lid % 32,
 ## g = lane / 4, t = lane % 4. Accumulator tiles have the layout of NVIDIA's mma.sync m16n8
 ## C fragment: an array x[N][4] of 16 × 8N floats, x[j][0..3] at (row g, col 8j + 2t),
 ## (g, 8j + 2t + 1), (g + 8, 8j + 2t), (g + 8, 8j + 2t + 1). Every def below takes or
-## produces tiles in that layout, so a product is a drop-in:
+## produces tiles in that layout, so a product is a drop-in. Two products serve every pass:
+## qk (out += A·Bᵀ, A the warp's rows, B the staged block's) and pv (acc += P·B, P a tile of
+## coefficients over the block's rows). Kinds:
 ##   kind "fma"     portable: plain float FMAs, operands read from local (and global) memory,
-##                  quad reductions through local memory; any OpenCL device (the driver's
+##                  quad reductions through local memory; any OpenCL device (the drivers'
 ##                  reference on the CPU runtimes);
 ##   kind "tf32x3"  NVIDIA mma.sync m16n8k8 TF32 by inline PTX, each float32 operand split into
 ##                  hi + lo TF32 parts and three products summed (hi·hi + hi·lo + lo·hi), so the
-##                  error stays near float32's; float storage;
+##                  error stays near float32's; float storage; the forward only;
 ##   kind "bf16"/"f16"  mma.sync m16n8k16 on the stored 16-bit bits, float32 accumulation; P
-##                  rounded to the storage type (nearest even) only as an operand.
-## Local tiles: K and V as stored (float, or ushort bits), KS elements a key.
+##                  (and dS) rounded to the storage type (nearest even) only as an operand; pv's
+##                  B operand by ldmatrix.trans from the staged rows.
+## Local tiles: staged rows as stored (float, or ushort bits), KS elements a row.
 <%!
     def widen(st, x):
         """A stored element as float."""
