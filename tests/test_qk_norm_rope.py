@@ -200,6 +200,33 @@ def test_launch_parameters(queue, override, hd, half, params):
     _parity(queue, x, w, ref.rope_table(7, half), dy, True)
 
 
+class _Gpu:  # what the heuristic reads of a device
+    type = cl.device_type.GPU
+    max_work_group_size = 1024
+
+
+@pytest.mark.parametrize("hd,half", [(64, 16), (128, 64), (96, 20)])
+def test_gpu_layout_on_this_device(queue, override, hd, half):
+    """The GPU heuristic's layout (groups of 256, hd/16 work-items a unit; CPUs take one) at float32 and
+    bfloat16 storage over sequences (hd 96, half 20: 19 slots, 5 of them pairs, over 4 work-items)."""
+    p = qkr.heuristic(_Gpu, {"hd": hd})
+    if p["wg"] > queue.device.max_work_group_size:
+        pytest.skip("groups of 256")
+    override(hd, p)
+    x, w, dy = _data(10, 3, hd)
+    _parity(queue, x, w, ref.rope_table(5, half), dy, False)
+    cu = np.array([0, 3, 3, 10], np.int32)
+    xb, dyb = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
+    table = ref.rope_table(8, half)
+    X, W, DY, R = to_device(queue, xb, w, dyb, table)
+    y, inv = clops.qk_norm_rope(queue, X, W, R, cu_seqlens=cu)
+    dx, dw = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, cu_seqlens=cu)
+    assert_storage_close("y", y, ref.qk_norm_rope(xb, w, table, cu_seqlens=cu)[0], xb.dtype, 1e-6)
+    wdx, wdw = ref.qk_norm_rope_bwd(xb, w, inv.get(), table, dyb, cu_seqlens=cu)
+    assert_storage_close("dx", dx, wdx, xb.dtype, 1e-5)
+    assert rel_err(dw.get(), wdw) <= 1e-5
+
+
 def test_parameters_the_device_cannot_hold(queue, override):
     dev = queue.device
     X, W = to_device(queue, rnd((2, 1, 512), 1), rnd(512, 2))
