@@ -14,21 +14,22 @@
 // s + NP (their partners, HALF further); slot s ≥ NP is the pass-through
 // vector s + NP. SLOTS = HD/VW − NP slots cover the unit's vectors once. A
 // work-item owns whole slots, so the rotation happens in its registers, with
-// one table load (VW float2) per pair.
+// one table load (VW float2, read as rvec: cos and sin interleaved) per pair.
 //
 // A work-group of WG work-items handles UPG units at a time; TPU = WG/UPG
 // consecutive work-items share a unit, work-item t owning its slots t,
 // t + TPU, ... (CH of them). The unit's sum of squares: each work-item writes
 // its own to local scratch, one barrier, then each adds its unit's TPU values
 // in a fixed order (the same bits in all of them); over 32 work-items a unit,
-// a fixed-order tree (common.group_sum) instead; one work-item a unit, no
-// local memory at all.
+// a fixed-order tree (common.group_sum) instead; at one work-item a unit, its
+// own sum (no barrier).
 //
 // Backward: group g walks the units [g·per_group, g·per_group + per_group)
 // (the host's clops.norm.bwd_dw_groups), UPG at a time; each work-item adds
 // g·x·inv of every unit it walks for the dims it owns, in unit order; the
 // scratch of the per-unit sums alternates between two halves, so a step holds
-// one barrier. At the end the UPG segments' sums are added in segment order
+// one barrier (the tree's own last barrier does it over 32 work-items a unit).
+// The gain is read where it is used (cache hits), not held. At the end the UPG segments' sums are added in segment order
 // (SL slices of segments, then the slices in order) into partial[g, :]. The
 // column sum over the partial rows (clops.norm.column_sum) finishes dw:
 // deterministic, no atomics.
