@@ -63,7 +63,7 @@ def heuristic(dev, sc):
     groups of 256, two backward groups per compute unit (the backward holds four pairs of x and dy
     vectors and its sums: about 96 registers for sm_80 through clang and ptxas, so two groups of 256
     fill a compute unit's registers and the whole grid is resident at once). CPUs: vectors of 8, one
-    work-item a unit (no barrier at all), groups of 32, four backward groups per compute unit: on
+    work-item a unit (no barrier a step), groups of 32, four backward groups per compute unit: on
     PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512."""
     hd = sc["hd"]
     cap = _cap(dev)
@@ -71,7 +71,7 @@ def heuristic(dev, sc):
         wg = min(32, cap)
         return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4}
     vw = vector_width(4, hd)
-    tpu = min(pow2_floor(max(1, hd // vw // 4)), 64, cap)
+    tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     wg = max(tpu, min(256, cap))
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 2}
 
@@ -80,7 +80,7 @@ def _cap(dev):
     return int(min(dev.max_work_group_size, 1024))
 
 
-def pow2_floor(v):
+def _pow2_floor(v):
     return 1 << (int(v).bit_length() - 1)
 
 
@@ -229,8 +229,8 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, cu_
     accumulate = dw is not None
     dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,), w.dtype)],
                      [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)], dtype=x.dtype)
-    knl, groups, sizes, per_group = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window, storage(x.dtype),
-                                         storage(w.dtype), int(cu is not None))
+    knl, groups, sizes, per_group = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window,
+                                            storage(x.dtype), storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
     partial = scratch(queue, groups[0] * hd, allocator)  # per-group column sums
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
