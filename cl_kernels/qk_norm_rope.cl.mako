@@ -8,24 +8,41 @@
 // row u / heads at position (u / heads) % window.
 // Half-split RoPE: dims (i, i + HALF), i < HALF, rotate; dims ≥ 2·HALF pass.
 //
-// A work-group of WG work-items handles UPG units at a time; TPU = WG/UPG
-// consecutive work-items share a unit, work-item t owning the vectors t,
-// t + TPU, ... (CH of them) of its unit. The unit's sum of squares is a
-// fixed-order tree (common.group_sum over its TPU work-items). The rotation
-// pairs dims that other work-items own, so the unit's vectors go through
-// local memory (buf) once.
+// Slots: a unit is read VW elements at a time, VW (a power of two ≤ the vw
+// asked for) dividing HD and HALF, so a rotation pair is two whole vectors.
+// Slot s < NP = HALF/VW is the pair of vectors s (dims [VW·s, VW·s + VW)) and
+// s + NP (their partners, HALF further); slot s ≥ NP is the pass-through
+// vector s + NP. SLOTS = HD/VW − NP slots cover the unit's vectors once. A
+// work-item owns whole slots, so the rotation happens in its registers, with
+// one table load (VW float2, read as rvec: cos and sin interleaved) per pair.
 //
-// Backward: group b handles units [b·RB, b·RB + RB), UPG at a time; each
-// work-item accumulates g·x·inv over its units for the dims it owns, the UPG
-// segments are then added in segment order into partial[b, :]. The column sum
-// over the partial rows (clops.norm.column_sum) finishes dw: deterministic,
-// no atomics.
+// A work-group of WG work-items handles UPG units at a time; TPU = WG/UPG
+// consecutive work-items share a unit, work-item t owning its slots t,
+// t + TPU, ... (CH of them). The unit's sum of squares: each work-item writes
+// its own to local scratch, one barrier, then each adds its unit's TPU values
+// in a fixed order (the same bits in all of them); over 32 work-items a unit,
+// a fixed-order tree (common.group_sum) instead; at one work-item a unit, its
+// own sum (no barrier).
+//
+// Backward: group g walks the units [g·per_group, g·per_group + per_group)
+// (the host's clops.norm.bwd_dw_groups), UPG at a time; each work-item adds
+// g·x·inv of every unit it walks for the dims it owns, in unit order; the
+// scratch of the per-unit sums alternates between two halves, so a step holds
+// one barrier (the tree's own last barrier does it over 32 work-items a unit).
+// The gain is read where it is used (cache hits), not held. At the end the UPG segments' sums are added in segment order
+// (SL slices of segments, then the slices in order) into partial[g, :]. The
+// column sum over the partial rows (clops.norm.column_sum) finishes dw:
+// deterministic, no atomics.
+//
+// The kernels carry vec_type_hint(vec): they are written in vectors already.
+// (Intel's CPU runtime otherwise vectorises across work-items, into gathers
+// and scatters: its float32 backward ran 3× slower.)
 //
 // Parameters: HD head dim, HALF rotary half (0: no rotation, no rope
-// argument), WG work-items per group, VW vector width (divides HD), UPG units
-// per step, CH vectors per work-item per unit, RB units per backward group,
-// IDX the index type, ST / WST the storage types above.
-<%page args="hd, half, wg, vw, upg, ch, rb, idx, st, wst, varlen=0"/>
+// argument), WG work-items per group, vw the widest vector width wanted, UPG
+// units per group (per step), IDX the index type, ST / WST the storage types
+// above.
+<%page args="hd, half, wg, vw, upg, idx, st, wst, varlen=0"/>
 ## varlen (a render flag, with HALF only; 0 renders the kernels above as they
 ## were): the kernels take cu, nseq + 1 int offsets of the sequences, after rope
 ## and nseq in place of window; unit u's position is the offset of its row in
@@ -33,54 +50,57 @@
 ## (the last sequence starting at or before the row, so empty ones are passed
 ## over). Nothing is read back to the host for it.
 <%namespace name="common" file="common.cl.mako"/>
-<% tpu = wg // upg %>
+<%
+    v = vw
+    while hd % v or (half and half % v):
+        v //= 2
+    tpu = wg // upg
+    np_ = half // v
+    slots = hd // v - np_
+    ch = -(-slots // tpu)
+    tree = tpu > 32
+    sl = min(upg, wg // hd)  # slices of the segments in the backward's last sum
+    rv = min(2 * v, 16)  # the table's vectors: cos and sin of VW dims (two loads at VW 16)
+%>
 ${common.guards()}\
 ${common.storage(st, wst)}\
 #define HD ${hd}
 #define HALF ${half}
-#define HV (HD / ${vw})
+#define HV ${hd // v}
+#define NP ${np_}
+#define SLOTS ${slots}
 #define WG ${wg}
-#define VW ${vw}
+#define VW ${v}
 #define UPG ${upg}
 #define TPU ${tpu}
 #define CH ${ch}
-#define RB ${rb}
 typedef ${idx} idx_t;
-typedef ${vtype(vw)} vec;
+typedef ${vtype(v)} vec;
+% if half:
+typedef ${vtype(rv)} rvec;
+% endif
+// Slot s = t + k·TPU of work-item t: whether it is in the unit, whether it is a pair (constants
+// once the loop over k is unrolled, when TPU divides SLOTS and NP), and its first vector.
+#define LIVE(k, s) (SLOTS % TPU == 0 || (s) < SLOTS)
+#define PAIR(k, s) (NP % TPU == 0 ? (k) < NP / TPU : (s) < NP)
+#define FIRST(k, s) ((s) + (PAIR(k, s) ? 0 : NP))
 
 <%!
-def lane(vw, v, l):
-    """Lane l of vector variable v as an lvalue."""
-    return v if vw == 1 else "%s.s%x" % (v, l)
-
 def lanes_sum(vw, v):
-    return " + ".join(lane(vw, v, l) for l in range(vw))
+    return v if vw == 1 else " + ".join("%s.s%x" % (v, l) for l in range(vw))
+
+def cos_sin(vw):
+    """(cos, sin) of the VW dims of a pair from its table vectors r0 (and r1 at VW 16)."""
+    if vw == 1:
+        return "r0[k].s0", "r0[k].s1"
+    if vw < 16:
+        return "r0[k].even", "r0[k].odd"
+    return "(float16)(r0[k].even, r1[k].even)", "(float16)(r0[k].odd, r1[k].odd)"
 %>
-<%def name="rope_arg()">${"__global const float2 *restrict rope, " if half else ""}${"__global const int *restrict cu, " if varlen else ""}</%def>
+<%def name="rope_arg()">${"__global const rvec *restrict rope, " if half else ""}${"__global const int *restrict cu, " if varlen else ""}</%def>
 
-## The work-item's place: segment (unit slot) and index in it, the segment's
-## slices of the reduction scratch and of buf.
-<%def name="setup()">
-    __local float scratch[WG];
-    __local vec buf[UPG * HV];
-    const uint lid = get_local_id(0);
-    const uint seg = lid / TPU, t = lid - seg * TPU;
-    __local float *seg_scratch = scratch + seg * TPU;
-    __local vec *seg_buf = buf + seg * HV;
-</%def>
-
-## Rotate the vectors v[k] of unit `unit` through seg_buf, forward or inverse.
-## Holds a barrier: uniform control flow only. The caller's next barrier
-## (the group_sum that follows) separates these reads from later writes to buf.
-<%def name="rotate(v, inverse)">
-    for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPU;
-        if (j < HV)
-            seg_buf[j] = ${v}[k];
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    {
-        __local const float *b = (__local const float *)seg_buf;
+## const uint pos: the position of `unit` (valid: `ok`) in the table.
+<%def name="position()">
 % if varlen:
         // Units past the end (!ok) have no sequence: position 0 keeps their reads in the table.
         uint pos = 0;
@@ -99,126 +119,236 @@ def lanes_sum(vw, v):
 % else:
         const uint pos = (uint)((unit / heads) % window);
 % endif
-        for (uint k = 0; k < CH; ++k) {
-            const uint j = t + k * TPU;
-            if (j < HV && j * VW < 2 * HALF) {
-% for l in range(vw):
-                {
-                    const uint e = j * VW + ${l};
-                    if (e < HALF) {
-                        const float2 r = rope[${at("rope", "pos * HALF + e")}];
-                        ${lane(vw, v + "[k]", l)} = b[e] * r.x ${"+" if inverse else "-"} b[e + HALF] * r.y;
-                    } else if (e < 2 * HALF) {
-                        const float2 r = rope[${at("rope", "pos * HALF + e - HALF")}];
-                        ${lane(vw, v + "[k]", l)} = b[e] * r.x ${"-" if inverse else "+"} b[e - HALF] * r.y;
-                    }
-                }
-% endfor
-            }
-        }
-    }
 </%def>
 
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void qk_norm_rope_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict inv_out,
-                      __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
+## The table vectors r0[k] (r1[k]) of the work-item's pair slots at `pos`; zero elsewhere.
+<%def name="table(vw)">
+% if half:
+        rvec r0[CH]${", r1[CH]" if vw == 16 else ""};
+        #pragma unroll
+        for (uint k = 0; k < CH; ++k) {
+            const uint s = t + k * TPU;
+            const bool p = PAIR(k, s);
+%   if vw == 16:
+            r0[k] = p ? rope[${at("rope", "(pos * NP + s) * 2")}] : (rvec)(0.0f);
+            r1[k] = p ? rope[${at("rope", "(pos * NP + s) * 2 + 1")}] : (rvec)(0.0f);
+%   else:
+            r0[k] = p ? rope[${at("rope", "pos * NP + s")}] : (rvec)(0.0f);
+%   endif
+        }
+% endif
+</%def>
+
+## const float result: the sum of `val` over the TPU work-items of the unit, through `buf` (a
+## __local float * of WG floats). Uniform control flow (a barrier); `buf` must not be written
+## again before a barrier that every work-item passes after this.
+<%def name="unit_sum(result, val, buf, tpu)">
+% if tpu == 1:
+    const float ${result} = ${val};
+% elif tpu > 32:
+    ${common.group_sum(result, val, "(" + buf + " + seg * TPU)", "t", tpu)}
+% else:
+    ${buf}[lid] = ${val};
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float ${result} = ${buf}[seg * TPU];
+    for (uint i = 1; i < TPU; ++i)
+        ${result} += ${buf}[seg * TPU + i];
+% endif
+</%def>
+
+<% c, sn = cos_sin(v) %>
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1), vec_type_hint(vec)))
+void qk_norm_rope_fwd(__global ${vptr(st, v)} *restrict y, __global float *restrict inv_out,
+                      __global const ${vptr(st, v)} *restrict x, __global const ${vptr(wst, v)} *restrict w,
                       ${rope_arg()}const idx_t units, const uint heads,
                       const uint ${"nseq" if varlen else "window"}, const float eps,
                       const float w_offset${checked_args("y", "inv_out", "x", "w", *(["rope"] if half else []), *(["cu"] if varlen else []))})
 {
-    ${setup()}
+% if tpu > 1:
+    __local float scratch[WG];
+% endif
+    const uint lid = get_local_id(0);
+    const uint seg = lid / TPU, t = lid - seg * TPU;
     const idx_t unit = (idx_t)get_group_id(0) * UPG + seg;
     const bool ok = unit < units;
     const idx_t base = unit * HV;
-    vec v[CH];
+    vec a[CH]${", b[CH]" if half else ""};
     float ss = 0.0f;
+    #pragma unroll
     for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPU;
-        v[k] = (ok && j < HV) ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
-        const vec sq = v[k] * v[k];
-        ss += ${lanes_sum(vw, "sq")};
-    }
-    ${common.group_sum("total", "ss", "seg_scratch", "t", tpu)}
-    // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
-    const float inv = 1.0f / sqrt(total / HD + eps);
-    for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPU;
-        if (j < HV)
-            v[k] = v[k] * inv * (${loadv(wst, vw, "w", "j")} + w_offset);
+        const uint s = t + k * TPU;
+        const bool live = ok && LIVE(k, s);
+        a[k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
+% if half:
+        b[k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
+        const vec sq = a[k] * a[k] + b[k] * b[k];
+% else:
+        const vec sq = a[k] * a[k];
+% endif
+        ss += ${lanes_sum(v, "sq")};
     }
 % if half:
-    ${rotate("v", False)}
+    ${position()}
+    ${table(v)}
 % endif
+    ${unit_sum("total", "ss", "scratch", tpu)}
     if (!ok)
         return;
+    // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
+    const float inv = 1.0f / sqrt(total / HD + eps);
+    #pragma unroll
     for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPU;
-        if (j < HV)
-            ${storev(st, vw, "v[k]", "y", "base + j")};
+        const uint s = t + k * TPU;
+        if (!LIVE(k, s))
+            continue;
+        const vec ya = a[k] * inv * (${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset);
+% if half:
+        if (PAIR(k, s)) {
+            const vec yb = b[k] * inv * (${loadv(wst, v, "w", "s + NP")} + w_offset);
+            const vec c = ${c}, sn = ${sn};
+            ${storev(st, v, "ya * c - yb * sn", "y", "base + s")};
+            ${storev(st, v, "yb * c + ya * sn", "y", "base + s + NP")};
+        } else
+            ${storev(st, v, "ya", "y", "base + s + NP")};
+% else:
+        ${storev(st, v, "ya", "y", "base + s")};
+% endif
     }
     if (t == 0)
         inv_out[${at("inv_out", "unit")}] = inv;
 }
 
-// g = R⁻¹·dy; dx = inv·w·g − x·inv³/HD·Σ g·w·x (written); partial[b] = Σ_units g·x·inv.
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void qk_norm_rope_bwd(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict partial,
-                      __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
+// g = R⁻¹·dy; dx = inv·w·g − x·inv³/HD·Σ g·w·x (written); partial[g] = Σ_units g·x·inv.
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1), vec_type_hint(vec)))
+void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *restrict partial,
+                      __global const ${vptr(st, v)} *restrict x, __global const ${vptr(wst, v)} *restrict w,
                       __global const float *restrict inv, ${rope_arg()}
-                      __global const ${vptr(st, vw)} *restrict dy, const idx_t units, const uint heads, const uint ${"nseq" if varlen else "window"},
-                      const float w_offset${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), *(["cu"] if varlen else []), "dy")})
+                      __global const ${vptr(st, v)} *restrict dy, const idx_t units, const uint heads, const uint ${"nseq" if varlen else "window"},
+                      const float w_offset, const idx_t per_group${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), *(["cu"] if varlen else []), "dy")})
 {
-    ${setup()}
-    vec we[CH], acc[CH];
-    for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPU;
-        we[k] = j < HV ? ${loadv(wst, vw, "w", "j")} + w_offset : (vec)(0.0f);
-        acc[k] = (vec)(0.0f);
-    }
-    const idx_t first = (idx_t)get_group_id(0) * RB;
-    for (uint step = 0; step < RB / UPG; ++step) {
-        // Uniform across the group: the barriers below stay in uniform control flow.
-        if (first + step * UPG >= units)
-            break;
-        const idx_t unit = first + step * UPG + seg;
-        const bool ok = unit < units;
-        const idx_t base = unit * HV;
-        vec g[CH], xv[CH];
-        for (uint k = 0; k < CH; ++k) {
-            const uint j = t + k * TPU;
-            g[k] = (ok && j < HV) ? ${loadv(st, vw, "dy", "base + j")} : (vec)(0.0f);
-        }
-% if half:
-        ${rotate("g", True)}
+% if tpu > 1 or sl > 1:
+    __local float scratch[2 * WG];  // the unit sums' two halves; then the slices of the last sum
 % endif
-        float s = 0.0f;
+    __local vec buf[UPG * HV];  // the segments' sums of g·x·inv
+    const uint lid = get_local_id(0);
+    const uint seg = lid / TPU, t = lid - seg * TPU;
+    vec acca[CH]${", accb[CH]" if half else ""};
+    #pragma unroll
+    for (uint k = 0; k < CH; ++k) {
+        acca[k] = (vec)(0.0f);
+% if half:
+        accb[k] = (vec)(0.0f);
+% endif
+    }
+    const idx_t first = (idx_t)get_group_id(0) * per_group;
+    const idx_t last = min(units, first + per_group);
+    uint flip = 0;  // the scratch half of this step
+    // Uniform across the group: the barriers of the sums stay in uniform control flow.
+    for (idx_t u0 = first; u0 < last; u0 += UPG) {
+        const idx_t unit = u0 + seg;
+        const bool ok = unit < last;
+        const idx_t base = unit * HV;
+        // The gain is read where it is used (cache hits; compilers may hold it), not kept in arrays.
+        vec ga[CH], xa[CH]${", gb[CH], xb[CH]" if half else ""};
+        float s_ = 0.0f;
+        #pragma unroll
         for (uint k = 0; k < CH; ++k) {
-            const uint j = t + k * TPU;
-            xv[k] = (ok && j < HV) ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
-            const vec p = g[k] * we[k] * xv[k];
-            s += ${lanes_sum(vw, "p")};
+            const uint s = t + k * TPU;
+            const bool live = ok && LIVE(k, s);
+            ga[k] = live ? ${loadv(st, v, "dy", "base + FIRST(k, s)")} : (vec)(0.0f);
+            xa[k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
+% if half:
+            gb[k] = live && PAIR(k, s) ? ${loadv(st, v, "dy", "base + s + NP")} : (vec)(0.0f);
+            xb[k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
+% endif
         }
-        ${common.group_sum("total", "s", "seg_scratch", "t", tpu)}
         const float iv = ok ? inv[${at("inv", "unit")}] : 0.0f;
-        const float coef = total / HD * iv * iv * iv;
+% if half:
+        ${position()}
+        ${table(v)}
+% endif
+        #pragma unroll
         for (uint k = 0; k < CH; ++k) {
-            const uint j = t + k * TPU;
-            if (ok && j < HV)
-                ${storev(st, vw, "iv * we[k] * g[k] - xv[k] * coef", "dx", "base + j")};
-            acc[k] += g[k] * xv[k] * iv;
+            const uint s = t + k * TPU;
+% if half:
+            if (PAIR(k, s)) {  // the inverse rotation (a pass-through slot's b vectors stay zeros)
+                const vec c = ${c}, sn = ${sn};
+                const vec lo = ga[k], hi = gb[k];
+                ga[k] = lo * c + hi * sn;
+                gb[k] = hi * c - lo * sn;
+            }
+% endif
+            const vec wa = LIVE(k, s) ? ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset : (vec)(0.0f);
+% if half:
+            const vec wb = PAIR(k, s) ? ${loadv(wst, v, "w", "s + NP")} + w_offset : (vec)(0.0f);
+            const vec p = wa * ga[k] * xa[k] + wb * gb[k] * xb[k];
+% else:
+            const vec p = wa * ga[k] * xa[k];
+% endif
+            s_ += ${lanes_sum(v, "p")};
+        }
+% if tpu > 1 and not tree:
+        __local float *sums = scratch + flip;
+        flip ^= WG;
+% endif
+        ${unit_sum("total", "s_", "sums" if tpu > 1 and not tree else "scratch", tpu)}
+        const float coef = total / HD * iv * iv * iv;
+        #pragma unroll
+        for (uint k = 0; k < CH; ++k) {
+            const uint s = t + k * TPU;
+            if (ok && LIVE(k, s)) {
+                const vec wa = ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset;
+                ${storev(st, v, "iv * wa * ga[k] - xa[k] * coef", "dx", "base + FIRST(k, s)")};
+            }
+            acca[k] += ga[k] * xa[k] * iv;
+% if half:
+            if (ok && PAIR(k, s)) {
+                const vec wb = ${loadv(wst, v, "w", "s + NP")} + w_offset;
+                ${storev(st, v, "iv * wb * gb[k] - xb[k] * coef", "dx", "base + s + NP")};
+            }
+            accb[k] += gb[k] * xb[k] * iv;
+% endif
         }
     }
-    // The segments' sums, added in segment order.
+    // The segments' sums: each segment's vectors into buf (every vector of a unit is one slot's),
+    // then added in segment order, SL slices of them at a time.
+    #pragma unroll
     for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPU;
-        if (j < HV)
-            seg_buf[j] = acc[k];
+        const uint s = t + k * TPU;
+        if (LIVE(k, s)) {
+            buf[seg * HV + FIRST(k, s)] = acca[k];
+% if half:
+            if (PAIR(k, s))
+                buf[seg * HV + s + NP] = accb[k];
+% endif
+        }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint j = lid; j < HV; j += WG) {
-        vec s = buf[j];
-        for (uint u = 1; u < UPG; ++u)
-            s += buf[u * HV + j];
-        partial[${at("partial", "(idx_t)get_group_id(0) * HV + j")}] = s;
+    __local const float *part = (__local const float *)buf;
+    const idx_t row = (idx_t)get_group_id(0) * HD;
+% if sl > 1:
+    // Slice i of column c (work-item i·HD + c) adds the segments i, i + SL, ... (the scratch's last
+    // reads of the loop above came before the barrier just passed).
+    if (lid < ${sl} * HD) {
+        const uint i = lid / HD, c = lid - i * HD;
+        float sum = part[i * HD + c];
+        for (uint u = i + ${sl}; u < UPG; u += ${sl})
+            sum += part[u * HD + c];
+        scratch[lid] = sum;
     }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid < HD) {
+        float sum = scratch[lid];
+        for (uint i = 1; i < ${sl}; ++i)
+            sum += scratch[i * HD + lid];
+        partial[${at("partial", "row + lid")}] = sum;
+    }
+% else:
+    for (uint c = lid; c < HD; c += WG) {
+        float sum = part[c];
+        for (uint u = 1; u < UPG; ++u)
+            sum += part[u * HD + c];
+        partial[${at("partial", "row + c")}] = sum;
+    }
+% endif
 }

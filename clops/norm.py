@@ -227,11 +227,11 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, dw=Non
     return wrote([evt], dx)[0]
 
 
-def bwd_dw_groups(dev, p, n):
+def bwd_dw_groups(dev, p, n, min_steps=MIN_STEPS):
     """(groups, rows per group) of a one-pass backward over ``n`` rows with parameters ``p``: at most
-    ``gpc`` groups per compute unit, each walking at least ``MIN_STEPS`` steps of ``rpg`` rows."""
+    ``gpc`` groups per compute unit, each walking at least ``min_steps`` steps of ``rpg`` rows."""
     steps = -(-n // p["rpg"])
-    groups = max(1, min(-(-steps // MIN_STEPS), p["gpc"] * dev.max_compute_units))
+    groups = max(1, min(-(-steps // min_steps), p["gpc"] * dev.max_compute_units))
     per_group = -(-steps // groups) * p["rpg"]
     return -(-n // per_group), per_group
 

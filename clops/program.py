@@ -278,6 +278,9 @@ def build_warnings(prg, dev):
 # Lines drivers log for every kernel whatever its source; not warnings about it.
 DRIVER_NOTES = (
     "is a kernel, so overriding noinline attribute",  # NVIDIA's OpenCL compiler, each __kernel
+    # Intel's CPU runtime, each kernel whose vec_type_hint names a vector type: what the hint asks for
+    # (the kernel is written in vectors; cl_kernels/qk_norm_rope.cl.mako)
+    "Kernel can't be vectorized due to unsupported vec type hint",
 )
 
 

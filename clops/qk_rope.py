@@ -22,58 +22,97 @@ bfloat16; math and sums are float32, each stored value rounded once to nearest e
 float32 or that dtype, and ``dw`` takes ``w``'s (summed in float32, rounded once); ``inv`` and
 ``rope`` are float32 always.
 
+Layout of the kernels (``qk_norm_rope.cl.mako``): a unit is read in vectors of ``VW`` elements,
+``VW`` dividing ``hd`` and ``half``, so that each rotation pair of vectors (dims ``[VW·p, VW·p + VW)``
+and their partners ``half`` further) belongs to one work-item, which rotates it in registers with
+one load of the table; ``wg/upg`` work-items share a unit, each owning a few such slots (pairs, or
+single vectors past ``2·half``), and add the unit's sum of squares through local memory after one
+barrier. The backward's groups each walk a range of units, keeping their gain-gradient sums in
+registers, and write one partial row each.
+
 Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
-two ≤ ``vw`` dividing ``hd`` is used), ``upg`` units (row, head) handled at a time by a
-group (divides ``wg``), ``rb`` units per backward group, i.e. per partial row of the dw
-reduction (a multiple of ``upg``). The dw column sum is :func:`clops.norm.column_sum` (groups of
-32 columns × 8 row slices; two launches beyond 512 partial rows).
+two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` units (row, head) handled at a
+time by a group (divides ``wg``; a unit is shared by ``wg/upg`` work-items), ``gpc`` backward
+groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
+groups, each walking at least ``MIN_STEPS`` steps of ``upg`` units
+(:func:`clops.norm.bwd_dw_groups`), each group a partial row of the dw reduction. The dw column
+sum is :func:`clops.norm.column_sum` (groups of 32 columns × 8 row slices; two launches beyond
+512 partial rows).
 """
 from __future__ import annotations
 
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 
 from .args import (F32, FLOATS, check_array, check_queue, check_sequences, events, hold, index_scalar, index_type,
                    outputs, positive_int, scratch, storage, upload_sequences, wrote)
-from .norm import VECTOR_WIDTHS, check_eps, column_sum, gain_offset, pow2_ceil, vector_width
+from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, vector_width
 from .spec import Spec
 
 TEMPLATE = "qk_norm_rope.cl.mako"
 MAX_HD = 512
+# A backward group walks at least this many steps of units (fewer partial rows of dw); a partial row is
+# 1/upg of a step's units, so fewer steps than the rows' norm needs (clops.norm.MIN_STEPS).
+MIN_STEPS = 2
 
 
 def heuristic(dev, sc):
-    """One vector of 4 per work-item up to 128 work-items per unit; groups of at least 128."""
+    """GPUs: vectors of 4, about four of them per work-item (TPU = hd/16 work-items a unit, at most 64),
+    groups of 256, two backward groups per compute unit (the backward holds four pairs of x and dy
+    vectors and its sums: about 96 registers for sm_80 through clang and ptxas, so two groups of 256
+    fill a compute unit's registers and the whole grid is resident at once). CPUs: vectors of 8, one
+    work-item a unit (no barrier a step), groups of 32, four backward groups per compute unit: on
+    PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512."""
     hd = sc["hd"]
-    cap = int(min(dev.max_work_group_size, 1024))
+    cap = _cap(dev)
+    if dev.type & cl.device_type.CPU:
+        wg = min(32, cap)
+        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4}
     vw = vector_width(4, hd)
-    tpu = min(pow2_ceil(hd // vw), 128, cap)
-    wg = max(tpu, min(128, cap))
-    return {"wg": wg, "vw": vw, "upg": wg // tpu, "rb": 32 * (wg // tpu)}
+    tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
+    wg = max(tpu, min(256, cap))
+    return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 2}
+
+
+def _cap(dev):
+    return int(min(dev.max_work_group_size, 1024))
+
+
+def _pow2_floor(v):
+    return 1 << (int(v).bit_length() - 1)
+
+
+def _slices(p, hd):
+    """The backward's slices of segments in its last sum (cl_kernels/qk_norm_rope.cl.mako's SL)."""
+    return min(p["upg"], p["wg"] // hd)
 
 
 def local_bytes(p, sc):
-    """Local memory of a group: the units' vectors (for the rotation) and the reduction scratch."""
-    return 4 * (p["upg"] * sc["hd"] + p["wg"])
+    """Local memory of the backward (the forward's is at most its first term): the two halves of the
+    unit sums' scratch (none at one work-item a unit, unless the last sum's slices use it) and the
+    segments' sums of the gain gradient."""
+    hd = sc["hd"]
+    scratch = 2 * p["wg"] if p["wg"] > p["upg"] or _slices(p, hd) > 1 else 0
+    return 4 * (scratch + p["upg"] * hd)
 
 
 def _render(p, sc):
-    hd = sc["hd"]
-    p = dict(p, hd=hd, vw=vector_width(p["vw"], hd), st="float", wst="float")  # storage types: each call's own
-    p["ch"] = -(-hd // (p["vw"] * (p["wg"] // p["upg"])))
-    return p
+    # the template lowers vw until it divides hd and the rotary half (a render extra, as the storage types)
+    return dict(p, hd=sc["hd"], vw=vector_width(p["vw"], sc["hd"]), st="float", wst="float")
 
 
 SPEC = Spec(
-    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "rb"),
-    lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "upg": [1, 2, 4, 8], "rb": [8, 16, 32, 64]},
+    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "gpc"),
+    lambda sc: {"wg": [64, 128, 256, 512], "vw": [2, 4, 8], "upg": [2, 4, 8, 16, 32, 64],
+                "gpc": [1, 2, 4, 8]},
     heuristic,
     rules=lambda p, sc: ((p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"),
-                         (p["wg"] % p["upg"] == 0 and p["rb"] % p["upg"] == 0, "upg must divide wg and rb")),
+                         (p["wg"] % p["upg"] == 0, "upg must divide wg")),
     local_bytes=local_bytes, render=_render,
-    doc="qk_norm_rope and qk_norm_rope_bwd: wg work-items per group, vw vector width, upg units per group, "
-        "rb units per backward group")
+    doc="qk_norm_rope and qk_norm_rope_bwd: wg work-items per group, vw vector width, upg units per group "
+        "(per step), gpc backward groups per compute unit")
 
 
 def _geometry(queue, x, w):
@@ -133,23 +172,27 @@ def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
     """(params, kernel, units as its index type), built (the ops reach it through _launch's memo)."""
     sc = {"hd": hd}
     p = SPEC.params(queue.device, sc)
-    idx = index_type(units * hd + p["rb"] * hd)
+    # unit offsets past the end (the last group's units), and the backward's unit ranges
+    idx = index_type((units + p["upg"]) * hd, 2 * units + p["upg"])
     _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst, varlen=varlen)
     return p, knl[name], index_scalar(idx)(units)
 
 
 def _launch(queue, name, n, heads, hd, half, window, st, wst, varlen):
-    """(kernel, groups, blocks of the backward, [units, heads, window or sequences] as its scalars):
-    one memo lookup when warm."""
+    """(kernel, groups, [units, heads, window or sequences] as its scalars, the backward's units per group
+    as its index type): one memo lookup when warm."""
     return SPEC.plan(queue, ("launch", name, n, heads, hd, half, window, st, wst, varlen), _launch_plan, name,
                      n * heads, heads, hd, half, window, st, wst, varlen)
 
 
 def _launch_plan(queue, name, units, heads, hd, half, window, st, wst, varlen):
     p, knl, itype_units = _plan(queue, name, units, hd, half, st, wst, varlen)
-    blocks = -(-units // p["rb"])  # the backward's groups, each a partial row of dw
-    groups = (-(-units // p["upg"]),) if name == "qk_norm_rope_fwd" else (blocks,)
-    return knl, groups, blocks, [itype_units, np.uint32(heads), np.uint32(window)]
+    if name == "qk_norm_rope_fwd":
+        groups, per_group = -(-units // p["upg"]), None
+    else:  # each group a partial row of dw
+        groups, per_group = bwd_dw_groups(queue.device, {"rpg": p["upg"], "gpc": p["gpc"]}, units, MIN_STEPS)
+        per_group = type(itype_units)(per_group)
+    return knl, (groups,), [itype_units, np.uint32(heads), np.uint32(window)], per_group
 
 
 def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seqlens=None, max_seqlen=None, out=None,
@@ -161,7 +204,7 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seq
     half, window, cu, rope = _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen)
     y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads), F32)],
                      [("x", x), ("w", w), ("rope", rope)], dtype=x.dtype)
-    knl, groups, _, sizes = _launch(queue, "qk_norm_rope_fwd", n, heads, hd, half, window, storage(x.dtype),
+    knl, groups, sizes, _ = _launch(queue, "qk_norm_rope_fwd", n, heads, hd, half, window, storage(x.dtype),
                                     storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
     args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
@@ -186,14 +229,14 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, cu_
     accumulate = dw is not None
     dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,), w.dtype)],
                      [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)], dtype=x.dtype)
-    knl, groups, blocks, sizes = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window, storage(x.dtype),
-                                         storage(w.dtype), int(cu is not None))
+    knl, groups, sizes, per_group = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window,
+                                            storage(x.dtype), storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
-    partial = scratch(queue, blocks * hd, allocator)  # per-block column sums
+    partial = scratch(queue, groups[0] * hd, allocator)  # per-group column sums
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
-    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, *sizes, gain_offset(gemma)]
+    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, *sizes, gain_offset(gemma), per_group]
     evt = knl(queue, groups, args, wait_for=events(wait_for, dx, x, w, inv, rope, cu, dy))
-    done = column_sum(queue, partial, blocks, hd, dw, accumulate, wait_for=[evt], allocator=allocator)
+    done = column_sum(queue, partial, groups[0], hd, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dx, dw, x, w, inv, rope, cu, dy)
     wrote([evt], dx)
     wrote([evt, done], dw)  # both stages' events: the profile of dw covers its two kernels

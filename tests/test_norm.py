@@ -213,7 +213,7 @@ def test_narrow_dtypes_are_checked(queue):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)], ids=str)
 def test_column_sum_in_two_stages(queue, override, dtype):
     """Over 2·CHUNK partial rows the column sum takes two launches (chunks, then their sums): rms_norm_dw
-    with one row a block, and qk_norm_rope_bwd with one unit a block (a 16-bit dw rounded once at the end)."""
+    with one row a block, and qk_norm_rope_bwd with two units a block (a 16-bit dw rounded once at the end)."""
     n, d = 3 * norm.CHUNK + 5, 40
     override("rms_norm_dw", d, dict(wg=32, vw=4, rb=1))
     x, w, dy = rnd((n, d), 1, 2.0).astype(dtype), rnd(d, 2, 0.5).astype(dtype), rnd((n, d), 3).astype(dtype)
@@ -223,15 +223,17 @@ def test_column_sum_in_two_stages(queue, override, dtype):
     (DW,) = to_device(queue, base)
     clops.rms_norm_dw(queue, X, inv, DY, dw=DW)
     assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv.get(), dy)) <= 1e-5
-    tuning.override("qk_norm_rope", {"hd": d}, dict(wg=16, vw=2, upg=1, rb=1))
+    hd = d // 2  # x as [n, 2, hd]: 2·n units, two a partial row (clops.qk_rope.MIN_STEPS steps of one unit)
+    tuning.override("qk_norm_rope", {"hd": hd}, dict(wg=8, vw=2, upg=2, gpc=1 << 20))
     try:
-        X3, DY3 = X.reshape(n, 1, d), DY.reshape(n, 1, d)
-        _, inv3 = clops.qk_norm_rope(queue, X3, W, None)
-        _, dw = clops.qk_norm_rope_bwd(queue, X3, W, inv3, None, DY3)
-        want = ref.rms_norm_dw(x, inv3.get()[:, 0], dy)
+        w2 = rnd(hd, 5, 0.5).astype(dtype)
+        X3, DY3, (W2,) = X.reshape(n, 2, hd), DY.reshape(n, 2, hd), to_device(queue, w2)
+        _, inv3 = clops.qk_norm_rope(queue, X3, W2, None)
+        _, dw = clops.qk_norm_rope_bwd(queue, X3, W2, inv3, None, DY3)
+        want = ref.rms_norm_dw(x.reshape(2 * n, hd), inv3.get().reshape(2 * n), dy.reshape(2 * n, hd))
         if dtype == np.float32:
             assert rel_err(dw.get(), want) <= 1e-5
         else:
             assert_storage_close("dw", dw, want, dtype, 1e-5)
     finally:
-        tuning.override("qk_norm_rope", {"hd": d}, None)
+        tuning.override("qk_norm_rope", {"hd": hd}, None)

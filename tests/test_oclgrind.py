@@ -171,7 +171,11 @@ def run_qk_norm_rope(queue):
     n, heads, hd, window = 6, 3, 12, 3  # 18 units of 12: partial unit groups and dw blocks
     x, w, dy = rnd((n, heads, hd), 21, 2.0), rnd(hd, 22, 0.5), rnd((n, heads, hd), 23, 1.0)
     x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
-    for params in _tiles({"wg": 8, "vw": 4, "upg": 2, "rb": 4}, {"wg": 4, "vw": 1, "upg": 1, "rb": 3}, None):
+    # 4 work-items a unit over its 2 slots at vw 4 (half 4: a pair and a vector; at half 0 3 vectors), backward
+    # groups of several steps; one unit a group; 4 work-items a unit over 8 slots of vw 1, the backward's last
+    # sum in 2 slices
+    for params in _tiles({"wg": 8, "vw": 4, "upg": 2, "gpc": 1}, {"wg": 4, "vw": 1, "upg": 1, "gpc": 2},
+                         {"wg": 32, "vw": 1, "upg": 8, "gpc": 1}, None):
         tuning.override("qk_norm_rope", {"hd": hd}, params)
         for half in (4, 0):  # 8 of 12 dims rotated, the rest passed through; then no rotation
             table = ref.rope_table(window, half)

@@ -182,11 +182,17 @@ def override():
 
 
 @pytest.mark.parametrize("hd,half,params", [
-    (256, 32, dict(wg=64, vw=4, upg=4, rb=4)),      # 16 work-items per unit: 4 vectors each
-    (256, 100, dict(wg=96, vw=2, upg=3, rb=9)),     # groups not a power of two; 43 vectors over 32
-    (64, 13, dict(wg=64, vw=16, upg=1, rb=5)),      # vw capped to 16 (divides 64)
-    (12, 6, dict(wg=16, vw=8, upg=4, rb=12)),       # vw capped to 4 (divides 12)
-    (512, 256, dict(wg=8, vw=1, upg=1, rb=3)),
+    (256, 32, dict(wg=64, vw=4, upg=4, gpc=1)),     # 16 work-items per unit over 56 slots; groups of many steps
+    (256, 100, dict(wg=96, vw=2, upg=3, gpc=2)),    # groups not a power of two; 50 pairs over 32 work-items
+    (64, 13, dict(wg=64, vw=16, upg=1, gpc=4)),     # an odd half: vw 1, 51 slots over 64 work-items (the tree)
+    (64, 32, dict(wg=32, vw=16, upg=16, gpc=1)),    # vw 16: two table loads a pair; 2 work-items per unit
+    (128, 48, dict(wg=128, vw=8, upg=16, gpc=1)),   # vw 8; 6 pairs and 4 pass-through vectors over 8 work-items
+    (12, 6, dict(wg=16, vw=8, upg=4, gpc=2)),       # vw capped to 2 (divides 12 and 6); a work-item idle a unit
+    (20, 2, dict(wg=64, vw=4, upg=16, gpc=1)),      # vw 2: one pair, 9 pass-through; the last sum in 3 slices
+    (16, 8, dict(wg=16, vw=4, upg=16, gpc=2)),      # one work-item a unit: no unit sum through local memory
+    (24, 0, dict(wg=32, vw=4, upg=8, gpc=1)),       # no rotation: 6 vectors over 4 work-items
+    (40, 20, dict(wg=8, vw=4, upg=2, gpc=64)),      # many backward groups of a step or two (21 partial rows)
+    (512, 256, dict(wg=8, vw=1, upg=1, gpc=3)),
 ])
 def test_launch_parameters(queue, override, hd, half, params):
     override(hd, params)
@@ -194,17 +200,44 @@ def test_launch_parameters(queue, override, hd, half, params):
     _parity(queue, x, w, ref.rope_table(7, half), dy, True)
 
 
+class _Gpu:  # what the heuristic reads of a device
+    type = cl.device_type.GPU
+    max_work_group_size = 1024
+
+
+@pytest.mark.parametrize("hd,half", [(64, 16), (128, 64), (96, 20)])
+def test_gpu_layout_on_this_device(queue, override, hd, half):
+    """The GPU heuristic's layout (groups of 256, hd/16 work-items a unit; CPUs take one) at float32 and
+    bfloat16 storage over sequences (hd 96, half 20: 19 slots, 5 of them pairs, over 4 work-items)."""
+    p = qkr.heuristic(_Gpu, {"hd": hd})
+    if p["wg"] > queue.device.max_work_group_size:
+        pytest.skip("groups of 256")
+    override(hd, p)
+    x, w, dy = _data(10, 3, hd)
+    _parity(queue, x, w, ref.rope_table(5, half), dy, False)
+    cu = np.array([0, 3, 3, 10], np.int32)
+    xb, dyb = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
+    table = ref.rope_table(8, half)
+    X, W, DY, R = to_device(queue, xb, w, dyb, table)
+    y, inv = clops.qk_norm_rope(queue, X, W, R, cu_seqlens=cu)
+    dx, dw = clops.qk_norm_rope_bwd(queue, X, W, inv, R, DY, cu_seqlens=cu)
+    assert_storage_close("y", y, ref.qk_norm_rope(xb, w, table, cu_seqlens=cu)[0], xb.dtype, 1e-6)
+    wdx, wdw = ref.qk_norm_rope_bwd(xb, w, inv.get(), table, dyb, cu_seqlens=cu)
+    assert_storage_close("dx", dx, wdx, xb.dtype, 1e-5)
+    assert rel_err(dw.get(), wdw) <= 1e-5
+
+
 def test_parameters_the_device_cannot_hold(queue, override):
     dev = queue.device
     X, W = to_device(queue, rnd((2, 1, 512), 1), rnd(512, 2))
     upg = 1 << (dev.local_mem_size // (4 * 512)).bit_length()  # units whose rows overflow local memory
-    override(512, dict(wg=upg, vw=4, upg=upg, rb=upg))
+    override(512, dict(wg=upg, vw=4, upg=upg, gpc=1))
     with pytest.raises(clops.LimitError, match="local memory"):
         clops.qk_norm_rope(queue, X, W, None)
-    override(512, dict(wg=2 * dev.max_work_group_size, vw=4, upg=1, rb=1))
+    override(512, dict(wg=2 * dev.max_work_group_size, vw=4, upg=1, gpc=1))
     with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
         clops.qk_norm_rope(queue, X, W, None)
-    override(512, dict(wg=64, vw=4, upg=2, rb=3))
+    override(512, dict(wg=64, vw=4, upg=3, gpc=1))
     with pytest.raises(ValueError, match="upg must divide"):
         clops.qk_norm_rope(queue, X, W, None)
 
