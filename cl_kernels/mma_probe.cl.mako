@@ -1,8 +1,8 @@
 // clops matrix-unit probe: one 16×8 tile D = A·B through the `kind` tile product's instruction
 // (tile_products.cl.mako), the operands given as the driver's lanes hold them: a[4] and b[2]
 // words per lane (floats for tf32x3, packed 16-bit pairs otherwise), d[4] floats per lane in the
-// accumulator layout; the 16-bit kinds take B through local memory and ldmatrix, as the driver's
-// P·V does. One warp.
+// accumulator layout; the 16-bit kinds take B through local memory and ldmatrix, as the drivers'
+// products do. One warp.
 <%namespace name="tp" file="tile_products.cl.mako"/>\
 ${tp.decls(kind, "float")}\
 
@@ -19,21 +19,25 @@ void mma_probe(__global const uint *a, __global const uint *b, __global float *d
     mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
     mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 % else:
-    // B through local memory as the driver stages V ([k][n] rows) and its transposed ldmatrix
-    // (lanes 16-31 read the tiles of lanes 0-15 again): both copies of the B words are multiplied.
-    __local ushort bt[16 * 8] __attribute__((aligned(16)));
+    // B through local memory as the drivers stage it, read by ldmatrix (lanes 16-31 read the tiles
+    // of lanes 0-15 again): as rows of V ([k][n], transposed, P·V's) and as rows of K ([n][k],
+    // Q·Kᵀ's); the four products are averaged.
+    __local ushort bt[16 * 8] __attribute__((aligned(16))), bk[8 * 16] __attribute__((aligned(16)));
     const uint g = lane / 4, t = lane % 4;
     const uint b0 = b[2 * lane], b1 = b[2 * lane + 1];
-    bt[(2 * t) * 8 + g] = b0 & 0xffffu;
-    bt[(2 * t + 1) * 8 + g] = b0 >> 16;
-    bt[(2 * t + 8) * 8 + g] = b1 & 0xffffu;
-    bt[(2 * t + 9) * 8 + g] = b1 >> 16;
+    bt[(2 * t) * 8 + g] = bk[g * 16 + 2 * t] = b0 & 0xffffu;
+    bt[(2 * t + 1) * 8 + g] = bk[g * 16 + 2 * t + 1] = b0 >> 16;
+    bt[(2 * t + 8) * 8 + g] = bk[g * 16 + 2 * t + 8] = b1 & 0xffffu;
+    bt[(2 * t + 9) * 8 + g] = bk[g * 16 + 2 * t + 9] = b1 >> 16;
     barrier(CLK_LOCAL_MEM_FENCE);
-    uint w[4];
+    uint w[4], v[4];
     ldsm_x4_trans(w, bt + (lane & 15) * 8);
+    ldsm_x4(v, bk + (lane & 7) * 16 + (lane & 8));
     mma16(acc, a[4 * lane], a[4 * lane + 1], a[4 * lane + 2], a[4 * lane + 3], w[0], w[1]);
     mma16(acc, a[4 * lane], a[4 * lane + 1], a[4 * lane + 2], a[4 * lane + 3], w[2], w[3]);
-    for (int e = 0; e < 4; ++e) acc[e] *= 0.5f;  // exact
+    mma16(acc, a[4 * lane], a[4 * lane + 1], a[4 * lane + 2], a[4 * lane + 3], v[0], v[1]);
+    mma16(acc, a[4 * lane], a[4 * lane + 1], a[4 * lane + 2], a[4 * lane + 3], v[2], v[3]);
+    for (int e = 0; e < 4; ++e) acc[e] *= 0.25f;  // exact
 % endif
     for (int e = 0; e < 4; ++e) d[4 * lane + e] = acc[e];
 }

@@ -89,6 +89,13 @@ inline void ldsm_x4_trans(uint *r, __local const ushort *row)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
 }
+// The same, not transposed: lane (g, t) gets elements (g, 2t) and (g, 2t + 1) of each tile, a B
+// operand word of rows of the other factor (K rows for Q·Kᵀ).
+inline void ldsm_x4(uint *r, __local const ushort *row)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
+}
 // lo and hi rounded to nearest even and packed (lo in the low half), as an A or B operand.
 inline uint pack2(float lo, float hi)
 {
@@ -112,10 +119,9 @@ inline uint pack2(float lo, float hi)
 
 ## The A operand of the warp's 16 rows (row0 = its first row in the sequence), before the block
 ## loop: rows of `src` from `base` with row stride `stride` (the forward's Q; the backward's dO, K,
-## V), held in `frag`. Head-dim columns are permuted inside each k-step (a sum over them does not
-## care) so that a lane's two B words are adjacent in local memory: one 64-bit load. tf32x3: mma
-## k-index t is column 2t, t + 4 is 2t + 1; 16-bit: k-index pair (2t, 2t + 1) is columns 4t,
-## 4t + 1, (2t + 8, 2t + 9) is 4t + 2, 4t + 3.
+## V), held in `frag`. tf32x3: head-dim columns are permuted inside each k-step (a sum over them
+## does not care) so that a lane's two B words are adjacent in local memory, one 64-bit load: mma
+## k-index t is column 2t, t + 4 is 2t + 1. 16-bit: columns in mma.sync's order (qk's B by ldmatrix).
 <%def name="load_q(kind, st, frag='qf', src='q', base='qbase', stride='qstride')">\
 % if kind == "bf16" or kind == "f16":
     uint ${frag}[HD16][4];  // A fragments, 16 columns a step; columns past HD are zero
@@ -138,14 +144,14 @@ ${a_words(frag + "[s]", "s", src, base, stride)}\
 % endif
 </%def>
 
-## The four 16-bit A words of k-step `s` (16 columns) of the warp's rows into dst[0..3].
+## The four 16-bit A words of k-step `s` (16 columns; columns past HD are zero) of the warp's rows
+## into dst[0..3], in mma.sync's layout: (g, 2t..2t+1), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
 <%def name="a_words(dst, s, src, base, stride)">\
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const uint r = row0 + g + 8 * e, d = ${s} * 16 + 4 * t;
-            const uint2 x = (r < T && d < HD) ? *(__global const uint2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 4)}) : (uint2)(0u);
-            ${dst}[e] = x.x;
-            ${dst}[2 + e] = x.y;
+            const uint r = row0 + g + 8 * e, d = ${s} * 16 + 2 * t;
+            ${dst}[e] = (r < T && d < HD) ? *(__global const uint *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 2)}) : 0u;
+            ${dst}[2 + e] = (r < T && d + 8 < HD) ? *(__global const uint *)(${src} + ${at(src, "%s + (idx_t)r * %s + d + 8" % (base, stride), 2)}) : 0u;
         }
 </%def>
 
@@ -192,12 +198,27 @@ ${a_words(frag + "[s]", "s", src, base, stride)}\
             uint a[4];  // read at each step (L1-cached): no registers held across the block loop
 ${a_words("a", "s16", src, base, stride)}\
 % endif
+#if HD % 16 == 0
+            // B of two key tiles a load: tiles (keys 8j.., cols 16·s16..), (keys 8j.., 16·s16 + 8..),
+            // then the same at keys 8(j + 1) (at 8j again past the last tile)
+            #pragma unroll
+            for (int j = 0; j < BK / 8; j += 2) {
+                const int j2 = j + 1 < BK / 8 ? j + 1 : j;
+                uint b[4];
+                ldsm_x4(b, ${bs} + (8 * (lane & 16 ? j2 : j) + (lane & 7)) * KS + 16 * s16 + (lane & 8));
+                mma16(${out}[j], ${a}[0], ${a}[1], ${a}[2], ${a}[3], b[0], b[1]);
+                if (j + 1 < BK / 8)
+                    mma16(${out}[j + 1], ${a}[0], ${a}[1], ${a}[2], ${a}[3], b[2], b[3]);
+            }
+#else
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 // the row's padding past HD is never staged: read as zero
-                const uint2 b = s16 * 16 + 4 * t < HD ? *(const __local uint2 *)(${bs} + (8 * j + g) * KS + s16 * 16 + 4 * t) : (uint2)(0u);
-                mma16(${out}[j], ${a}[0], ${a}[1], ${a}[2], ${a}[3], b.x, b.y);
+                const __local ushort *c = ${bs} + (8 * j + g) * KS + s16 * 16 + 2 * t;
+                const uint b0 = *(const __local uint *)c, b1 = s16 * 16 + 8 < HD ? *(const __local uint *)(c + 8) : 0u;
+                mma16(${out}[j], ${a}[0], ${a}[1], ${a}[2], ${a}[3], b0, b1);
             }
+#endif
         }
 % endif
 </%def>
