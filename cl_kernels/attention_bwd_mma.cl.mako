@@ -128,7 +128,7 @@ void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restric
     __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
     __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
     __local int nonfinite[2];                 // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
-${tp.locals(kind)}\
+${tp.locals(kind, quads=False)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
     const uint h = get_group_id(0), w = get_group_id(1);
@@ -145,20 +145,21 @@ ${tp.locals(kind)}\
     const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
 
-    // D = Σ dO·O of rows g and g + 8 (each lane 4 columns of every 16, then the quad), stored
-    // for the dkv pass; lse·log2 e of the rows.
+    // D = Σ dO·O of rows g and g + 8, stored for the dkv pass, and lse·log2 e of the rows. Each
+    // lane sums the whole rows (the quad's lanes agree without a reduction: with the portable
+    // products' quad reduction through local memory here, Intel's CPU runtime gave a wrong dQ, dK
+    // and dV right; not understood).
     float dd[2] = {0.0f, 0.0f}, l2[2] = {0.0f, 0.0f};
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const uint qi = row0 + g + 8 * r;
         if (qi < T) {
             const idx_t row = qbase + (idx_t)qi * qstride;
-            for (uint d = 4 * t; d < HD; d += 16)
+            for (uint d = 0; d < HD; d += 4)
                 dd[r] += dot(${load(st, 4, "o", at("o", "row + d", 4), aligned=True)}, ${load(st, 4, "dO", at("dO", "row + d", 4), aligned=True)});
             l2[r] = lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] * LOG2E;
         }
     }
-${tp.quad(kind, "sum", "dd[0]", "dd[1]")}\
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const uint qi = row0 + g + 8 * r;

@@ -471,14 +471,13 @@ BWD = {
 #       global memory at each step (L1-cached: fewer registers, what hd 256 needs);
 #   cs  dkv only, 1 or 2: the group computes 1/cs of dK's and dV's columns (cs groups per key block,
 #       each computing S and dP again), cs·8 dividing hd.
-# Local memory: as the forward's; dkv adds 8·bk bytes (the block's lse and D) and, with the portable
-# products, takes no quad reductions (256·nw bytes fewer).
+# Local memory: as the forward's, but with the portable products no quad reductions (256·nw bytes
+# fewer); dkv adds 8·bk bytes (the block's lse and D).
 
 def _bwd_mma_local_bytes(pass_):
     def local_bytes(p, sc):
-        if pass_ == "dq":
-            return _mma_local_bytes(p, sc)
-        return _mma_local_bytes(p, sc) + 8 * p["bk"] - (256 * p["nw"] if sc["product"] == "fma" else 0)
+        quads = 256 * p["nw"] if sc["product"] == "fma" else 0
+        return _mma_local_bytes(p, sc) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
 
     return local_bytes
 
