@@ -25,37 +25,22 @@
 // each step, L1-cached (2); dkv only, CS: the group computes 1/CS of dK's and dV's head-dim
 // columns (CS groups per key block, each computing S and dP: fewer registers for more work).
 <%!
-    from clops.attn import visible_condition
+    from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
 %>\
 <%
     narrow = st != "float"
     et = ctype(st)                          # a stored element: float, or ushort bits
     ev = "uint4" if narrow else "float4"    # 16 bytes of them
-    per = 8 if narrow else 4                # elements per 16 bytes
     tok0 = "tok0" if varlen else "w * T"
 
     def visible(i, j):                      # query position i sees key position j
         return visible_condition(causal, sliding, i, j) or "1"
 
-    def edges(q0, k0, nq, nk):              # some query of [q0, q0 + nq) does not see a key of [k0, k0 + nk)
-        out = ["%s + %s - 1 > %s" % (k0, nk, q0)] if causal else []
-        if sliding:
-            out.append("%s + %s > %s + W" % (q0, nq, k0))
-            if not causal:
-                out.append("%s + %s > %s + W" % (k0, nk, q0))
-        return out
 %>\
 <%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
-#define HD ${hd}
-#define HD16 ((HD + 15) / 16)
-#define NW ${nw}
-#define BQ (16 * NW)
-#define WG (32 * NW)
-#define BK ${bk}
-#define KS (HD + ${per})             // row stride (elements) of a staged block, padded against bank conflicts
-#define KN ((BK * (HD / ${per}) + WG - 1) / WG)  // 16-byte vectors each work-item fetches per block
+${tp.geometry(st, hd, nw, bk)}\
 #define LOG2E 1.4426950408889634f
 typedef ${idx} idx_t;
 ${common.guards()}\
@@ -171,7 +156,7 @@ ${tp.load_q(kind, st, frag="df", src="dO")}\
 % endif
 ${zeros("acc", "HD / 8")}\
 
-<% masked = edges("q0", "k0", "BQ", "BK") %>\
+<% masked = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK") %>\
     ${ev} kr[KN], vr[KN];
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
     for (uint kb = kb0; kb < nkb; ++kb) {
@@ -237,7 +222,7 @@ ${zeros("dka", "HD / %d / 8" % cs)}\
 ${zeros("dva", "HD / %d / 8" % cs)}\
 
 <%
-    masked = edges("q0", "key0", "BK", "BQ")
+    masked = mask_edges(causal, sliding, "q0", "key0", "BK", "BQ")
     seen_t = lambda key, query: visible(query, key)  # the products' rows are keys here
 %>\
     ${ev} qr[KN], dr[KN];

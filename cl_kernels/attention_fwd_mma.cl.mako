@@ -19,34 +19,24 @@
 // Parameters: NW warps per group, BK keys per block (a multiple of 16), HD head dim (a multiple
 // of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16).
 <%!
-    from clops.attn import visible_condition
+    from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
 %>\
 <%
     narrow = st != "float"
     et = ctype(st)                          # a stored element: float, or ushort bits
     ev = "uint4" if narrow else "float4"    # 16 bytes of them
-    per = 8 if narrow else 4                # elements per 16 bytes
     plain = causal and not sliding
 
     def visible(i, j):                      # query position i sees key position j
         return visible_condition(causal, sliding, i, j) or "1"
     tok0 = "tok0" if varlen else "w * T"
     kb_first = "0" if plain and not varlen else "kb0"
-    edges = [x for x in ("k0 + BK - 1 > q0" if causal else None, "q0 + BQ > k0 + W" if sliding else None,
-                         "k0 + BK > q0 + W" if sliding and not causal else None) if x]
+    edges = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK")
 %>\
 <%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
-#define HD ${hd}
-#define HD16 ((HD + 15) / 16)
-#define NW ${nw}
-#define BQ (16 * NW)
-#define WG (32 * NW)
-#define BK ${bk}
-#define KS (HD + ${per})             // row stride (elements) of staged K, padded against bank conflicts
-#define PER ${per}
-#define KN ((BK * (HD / PER) + WG - 1) / WG)  // 16-byte vectors each work-item fetches per block
+${tp.geometry(st, hd, nw, bk)}\
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\

@@ -338,6 +338,20 @@ ${a_words("a", "s16", src, base, stride)}\
 % endif
 </%def>
 
+## The drivers' geometry: head dim, warps and rows of a group, the staged block of BK rows, its row
+## stride (padded against bank conflicts) and the 16-byte vectors each work-item fetches of it.
+<%def name="geometry(st, hd, nw, bk)">\
+<% per = 4 if st == "float" else 8 %>\
+#define HD ${hd}
+#define HD16 ((HD + 15) / 16)
+#define NW ${nw}
+#define BQ (16 * NW)
+#define WG (32 * NW)
+#define BK ${bk}
+#define KS (HD + ${per})
+#define KN ((BK * (HD / ${per}) + WG - 1) / WG)
+</%def>
+
 ## Staging, shared by the drivers. Rows r0 .. r0 + BK - 1 of src (from `base`, row stride `stride`)
 ## fetched into registers x[KN] (16 bytes a vector; rows past T read as zero), one step before
 ## they are staged.

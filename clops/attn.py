@@ -70,6 +70,17 @@ def visible_condition(causal, sliding, i, j):
     return f"{i} < {j} + W && {j} < {i} + W"
 
 
+def mask_edges(causal, sliding, q0, k0, nq, nk):
+    """The matrix-unit drivers' conditions (C expressions) that some query of [q0, q0 + nq) does not see
+    some key of [k0, k0 + nk) of the same sequence (``W`` the kernels' sliding window)."""
+    out = [f"{k0} + {nk} - 1 > {q0}"] if causal else []
+    if sliding:
+        out.append(f"{q0} + {nq} > {k0} + W")
+        if not causal:
+            out.append(f"{k0} + {nk} > {q0} + W")
+    return out
+
+
 def _check_geometry(queue, q, k, v):
     """(n, nh, nkv, hd) of valid q, k, v; raises naming the argument otherwise."""
     check_queue(queue)

@@ -238,8 +238,10 @@ def _attention_bwd(products, store_ds):
     return lambda queue, sc, pb: _attention_bwd_case(queue, sc, pb, products, store_ds)
 
 
-def _attention_bwd_case(queue, sc, pb, products, store_ds, mode=None):
-    """``mode``: the CLOPS_MMA mode of the matrix-unit backward (store_ds None), at storage ``sc["st"]``."""
+def _attention_bwd_case(queue, sc, pb, products, store_ds, mode="0"):
+    """``mode``: the CLOPS_MMA mode the timed calls run under: "0" the portable passes (the families of
+    attn.BWD, whatever CLOPS_MMA says), or the matrix-unit backward's (store_ds None) at storage
+    ``sc["st"]``."""
     dtype = storage_dtype(sc.get("st", "float"))
     q, k, v = (x.astype(dtype) for x in _attention_data(pb, sc["hd"]))
     dq, dk, dv = _upload(queue, q, k, v)
@@ -252,7 +254,7 @@ def _attention_bwd_case(queue, sc, pb, products, store_ds, mode=None):
     dev_args = (dq, dk, dv, o_, lse_, *_upload(queue, do))
 
     def call():
-        with mma.using(mma.mode() if mode is None else mode):
+        with mma.using(mode):
             return clops.attention_bwd(queue, *dev_args, window=pb["window"], store_ds=store_ds, allocator=pool)
 
     return Case(call, lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]),
