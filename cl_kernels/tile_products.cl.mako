@@ -80,22 +80,18 @@ inline void mma16(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// Four 8×8 tiles of 16-bit elements in local memory, transposed, into r[0..3]: lane L gives the
-// address of row L % 8 of tile L / 8 (16-byte aligned); lane (g, t) gets elements (2t, g) and
-// (2t + 1, g) of each tile, a B operand word of rows of keys. The address is the __local
-// pointer's own value: NVIDIA's OpenCL keeps it as an offset in the shared window.
-inline void ldsm_x4_trans(uint *r, __local const ushort *row)
+// Four 8×8 tiles of 16-bit elements in local memory into r[0..3]: lane L gives the address of row
+// L % 8 of tile L / 8 (16-byte aligned); lane (g, t) gets elements (g, 2t) and (g, 2t + 1) of each
+// tile (ldsm_x4: a B operand word of rows of the other factor, K rows for Q·Kᵀ), or transposed
+// (2t, g) and (2t + 1, g) (ldsm_x4_trans: of rows of keys, V rows for P·V). The address is the
+// __local pointer's own value: NVIDIA's OpenCL keeps it as an offset in the shared window.
+% for name, trans in (("ldsm_x4", ""), ("ldsm_x4_trans", ".trans")):
+inline void ${name}(uint *r, __local const ushort *row)
 {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4${trans}.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
 }
-// The same, not transposed: lane (g, t) gets elements (g, 2t) and (g, 2t + 1) of each tile, a B
-// operand word of rows of the other factor (K rows for Q·Kᵀ).
-inline void ldsm_x4(uint *r, __local const ushort *row)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
-}
+% endfor
 // lo and hi rounded to nearest even and packed (lo in the low half), as an A or B operand.
 inline uint pack2(float lo, float hi)
 {
