@@ -57,7 +57,8 @@ def vector_width(vw, d):
     return vw
 
 
-def _cap(dev):
+def wg_cap(dev):
+    """The largest work-group the heuristics consider on ``dev``."""
     return int(min(dev.max_work_group_size, 1024))
 
 
@@ -66,13 +67,13 @@ def heuristic_rows(dev, sc):
     (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to 256 at d = 4097.)"""
     d = sc["d"]
     vw = vector_width(4, d)
-    tpr = min(pow2_ceil(-(-d // (vw * 8))), _cap(dev), 256)
-    wg = max(tpr, min(64, _cap(dev)))
+    tpr = min(pow2_ceil(-(-d // (vw * 8))), wg_cap(dev), 256)
+    wg = max(tpr, min(64, wg_cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr}
 
 
 def heuristic_dw(dev, sc):
-    return {"wg": min(128, _cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
+    return {"wg": min(128, wg_cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
 
 
 def heuristic_bwd_dw(dev, sc):

@@ -48,7 +48,7 @@ import pyopencl.array as cla
 
 from .args import (F32, FLOATS, check_array, check_queue, check_sequences, events, hold, index_scalar, index_type,
                    outputs, positive_int, scratch, storage, upload_sequences, wrote)
-from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, vector_width
+from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, vector_width, wg_cap
 from .spec import Spec
 
 TEMPLATE = "qk_norm_rope.cl.mako"
@@ -66,7 +66,7 @@ def heuristic(dev, sc):
     work-item a unit (no barrier a step), groups of 32, four backward groups per compute unit: on
     PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512."""
     hd = sc["hd"]
-    cap = _cap(dev)
+    cap = wg_cap(dev)
     if dev.type & cl.device_type.CPU:
         wg = min(32, cap)
         return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4}
@@ -74,10 +74,6 @@ def heuristic(dev, sc):
     tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     wg = max(tpu, min(256, cap))
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 2}
-
-
-def _cap(dev):
-    return int(min(dev.max_work_group_size, 1024))
 
 
 def _pow2_floor(v):
