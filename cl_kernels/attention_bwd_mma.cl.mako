@@ -49,25 +49,38 @@ ${tp.decls(kind, st)}\
 
 ## P (into `p`) and dS (into `ds`) of the warp's tile from S in `p` and dP in `ds`, in place:
 ## element (j, e) is query `qi`, key `kj` (C expressions of j and e); l2 and dd its query's
-## lse·log2 e and D; `seen` its mask.
-<%def name="coefficients(p, ds, qi, kj, l2, dd)">
-        #pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const uint qi = ${qi}, kj = ${kj};
-                const bool seen = ${visible("qi", "kj")} && qi < T && kj < T;
-% if softcap:
-                // the cap's derivative 1 − tanh² folded into dS
-                const float th = tanh(${p}[j][e] * c), pe = exp2(cap * th - ${l2});
-                ${ds}[j][e] = seen ? pe * (1.0f - th * th) * (${ds}[j][e] - ${dd}) * scale : 0.0f;
-% else:
-                const float pe = exp2(${p}[j][e] * c - ${l2});
-                ${ds}[j][e] = seen ? pe * (${ds}[j][e] - ${dd}) * scale : 0.0f;
-% endif
-                ${p}[j][e] = seen ? pe : 0.0f;
-            }
+## lse·log2 e and D. Pairs outside the mask or the sequence get 0 when `full` (a C condition,
+## uniform across the group: every pair of the block is inside both) is false.
+<%def name="coefficients(p, ds, qi, kj, l2, dd, full)">
+        if (${full}) {
+${coefficient_loop(p, ds, qi, kj, l2, dd, False)}\
+        } else {
+${coefficient_loop(p, ds, qi, kj, l2, dd, True)}\
         }
+</%def>
+<%def name="coefficient_loop(p, ds, qi, kj, l2, dd, masked)">\
+            #pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+% if softcap:
+                    // the cap's derivative 1 − tanh² folded into dS
+                    const float th = score_tanh(${p}[j][e] * c), pe = exp2(cap * th - ${l2});
+                    const float dse = pe * (1.0f - th * th) * (${ds}[j][e] - ${dd}) * scale;
+% else:
+                    const float pe = exp2(${p}[j][e] * c - ${l2}), dse = pe * (${ds}[j][e] - ${dd}) * scale;
+% endif
+% if masked:
+                    const uint qi = ${qi}, kj = ${kj};
+                    const bool seen = ${visible("qi", "kj")} && qi < T && kj < T;
+                    ${ds}[j][e] = seen ? dse : 0.0f;
+                    ${p}[j][e] = seen ? pe : 0.0f;
+% else:
+                    ${ds}[j][e] = dse;
+                    ${p}[j][e] = pe;
+% endif
+                }
+            }
 </%def>
 
 ## Zeroed accumulator tiles.
@@ -101,6 +114,35 @@ ${tp.decls(kind, st)}\
     }
 </%def>
 
+## dkv: stage block `b`'s dO rows and D (which "dO") or Q rows and lse (which "q"), one group of copies.
+<%def name="stage_block(b, which)">
+        {
+            const uint hb = gk * rep + (${b}) / nqb, qb = qfirst + (${b}) % nqb * BK;
+            const idx_t qbb = (idx_t)${tok0} * qstride + hb * HD;
+% if which == "dO":
+${tp.stage(kind, st, "dst", "dO", "qb", "qbb", "qstride")}\
+${tp.stage_floats(kind, "dds", "dsum", "BK", lambda i: "((idx_t)%s + min(qb + %s, T - 1)) * nh + hb" % (tok0, i), lambda i: "qb + %s < T" % i)}\
+% else:
+${tp.stage(kind, st, "qst", "q", "qb", "qbb", "qstride")}\
+${tp.stage_floats(kind, "l2s", "lse", "BK", lambda i: "((idx_t)%s + min(qb + %s, T - 1)) * nh + hb" % (tok0, i), lambda i: "qb + %s < T" % i)}\
+% endif
+${tp.commit(kind)}\
+        }
+</%def>
+## dkv: acc += coefficients `p` (transposed) · the staged block `bs` (dV += Pᵀ·dO, dK += dSᵀ·Q), in
+## the exact masked form when the block crosses the mask's edges and holds a NaN or ±Inf.
+<%def name="flagged(p, acc, bs, masked, seen_t)">\
+<% args = dict(p=p, acc=acc, bs="(%s + col0)" % bs, c0="q0", ncol="HD / %d / 8" % cs) %>\
+% if masked:
+        if (edge && nonfinite[blk & 1]) {
+${tp.pv(kind, st, True, seen_t, **args)}\
+        } else {
+${tp.pv(kind, st, False, seen_t, **args)}\
+        }
+% else:
+${tp.pv(kind, st, False, seen_t, **args)}\
+% endif
+</%def>
 % if pass_ == "dq":
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
@@ -157,25 +199,43 @@ ${tp.load_q(kind, st, frag="df", src="dO")}\
 ${zeros("acc", "HD / 8")}\
 
 <% masked = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK") %>\
-    ${ev} kr[KN], vr[KN];
+    // K and V reach local memory without registers, V(kb) first and K(kb) second: dP = dO·Vᵀ runs
+    // while K(kb) lands, the rest of the block while V(kb + 1) does, and the next dP while
+    // K(kb + 1) does. Three barriers a block (four crossing the mask's edges).
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+    if (kb0 < nkb) {
+${tp.stage(kind, st, "vst", "v", "kb0 * BK")}\
+${tp.commit(kind)}\
+${tp.stage(kind, st, "kst", "k", "kb0 * BK")}\
+${tp.commit(kind)}\
+    }
     for (uint kb = kb0; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
-        ${tp.fetch(st, "kr", "k", "k0")}
-        ${tp.fetch(st, "vr", "v", "k0")}
-        barrier(CLK_LOCAL_MEM_FENCE);  // the block before is used up
-        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
-        ${tp.put(st, "kr", "kst", "nonfinite[kb & 1]" if masked else None)}
-        ${tp.put(st, "vr", "vst")}
-        barrier(CLK_LOCAL_MEM_FENCE);
-
-${zeros("s", "BK / 8")}\
-${zeros("dp", "BK / 8")}\
-${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
-${tp.qk(kind, st, out="dp", frag=None if af == 2 else "df", bs="vs", src="dO")}\
-        ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "l2[e >> 1]", "dd[e >> 1]")}
 % if masked:
-        if ((${" || ".join(masked)}) && nonfinite[kb & 1]) {
+        const bool edge = ${" || ".join(masked)};  // some row does not see some key of the block
+% endif
+${tp.landed(kind, 1)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // V(kb) staged
+        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
+${zeros("dp", "BK / 8")}\
+${tp.qk(kind, st, out="dp", frag=None if af == 2 else "df", bs="vs", src="dO")}\
+${tp.landed(kind, 0)}\
+% if masked:
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "kst", "nonfinite[kb & 1]")}\
+        }
+% endif
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged (and its flag set); V(kb) used up
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "vst", "v", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
+${zeros("s", "BK / 8")}\
+${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
+        ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "l2[e >> 1]", "dd[e >> 1]",
+                       " && ".join(["!edge"] * bool(masked) + ["q0 + BQ <= T", "k0 + BK <= T"]))}
+% if masked:
+        if (edge && nonfinite[kb & 1]) {
 ${tp.pv(kind, st, True, visible, p="dp", bs="ks")}\
         } else {
 ${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
@@ -183,6 +243,11 @@ ${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
 % else:
 ${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
 % endif
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) used up
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
     }
     ${store_rows("acc", "dq", "qbase", "qstride")}
 }
@@ -225,43 +290,52 @@ ${zeros("dva", "HD / %d / 8" % cs)}\
     masked = mask_edges(causal, sliding, "q0", "key0", "BK", "BQ")
     seen_t = lambda key, query: visible(query, key)  # the products' rows are keys here
 %>\
-    ${ev} qr[KN], dr[KN];
-    uint blk = 0;  // blocks visited, for the flag's slot
+    // Blocks in order of (query head, query block): block b is head gk·rep + b / nqb, queries from
+    // qfirst + (b % nqb)·BK. Each reaches local memory without registers, dO and D first, Q and lse
+    // second: dPᵀ = V·dOᵀ runs while Q lands, dK += dSᵀ·Q while the next dO does, the next dPᵀ
+    // while the next Q does. Four barriers a block.
+    const uint nqb = qend > qfirst ? (qend - qfirst + BK - 1) / BK : 0, nblk = rep * nqb;
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
-    for (uint h = gk * rep; h < (gk + 1) * rep; ++h) {
-        const idx_t qbase = (idx_t)${tok0} * qstride + h * HD;
-        for (uint q0 = qfirst; q0 < qend; q0 += BK, ++blk) {
-            ${tp.fetch(st, "qr", "q", "q0", "qbase", "qstride")}
-            ${tp.fetch(st, "dr", "dO", "q0", "qbase", "qstride")}
-            barrier(CLK_LOCAL_MEM_FENCE);  // the block before is used up
-            if (lid == 0) nonfinite[(blk + 1) & 1] = 0;
-            ${tp.put(st, "qr", "qst", "nonfinite[blk & 1]" if masked else None)}
-            ${tp.put(st, "dr", "dst", "nonfinite[blk & 1]" if masked else None)}
-            for (uint i = lid; i < BK; i += WG) {
-                const uint qi = q0 + i;
-                const idx_t at = ((idx_t)${tok0} + min(qi, T - 1)) * nh + h;
-                l2s[i] = qi < T ? lse[${at("lse", "at")}] * LOG2E : 0.0f;
-                dds[i] = qi < T ? dsum[${at("dsum", "at")}] : 0.0f;
-            }
-            barrier(CLK_LOCAL_MEM_FENCE);
-
-${zeros("s", "BK / 8")}\
-${zeros("dp", "BK / 8")}\
-${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="qs", src="k", base="kbase", stride="kstride")}\
-${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="dos", src="v", base="kbase", stride="kstride")}\
-            ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "l2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]")}
+    if (nblk > 0) {
+${stage_block("0", "dO")}\
+${stage_block("0", "q")}\
+    }
+    for (uint blk = 0; blk < nblk; ++blk) {
+        const uint h = gk * rep + blk / nqb, q0 = qfirst + blk % nqb * BK;
 % if masked:
-            if ((${" || ".join(masked)}) && nonfinite[blk & 1]) {
-${tp.pv(kind, st, True, seen_t, p="s", acc="dva", bs="(dos + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
-${tp.pv(kind, st, True, seen_t, p="dp", acc="dka", bs="(qs + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
-            } else {
-${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="(dos + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
-${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="(qs + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
-            }
-% else:
-${tp.pv(kind, st, False, seen_t, p="s", acc="dva", bs="(dos + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
-${tp.pv(kind, st, False, seen_t, p="dp", acc="dka", bs="(qs + col0)", c0="q0", ncol="HD / %d / 8" % cs)}\
+        const bool edge = ${" || ".join(masked)};  // some query of the block does not see some key
 % endif
+${tp.landed(kind, 1)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // dO and D staged
+        if (lid == 0) nonfinite[(blk + 1) & 1] = 0;
+${zeros("dp", "BK / 8")}\
+${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="dos", src="v", base="kbase", stride="kstride")}\
+${tp.landed(kind, 0)}\
+        for (uint i = lid; i < BK; i += WG) l2s[i] *= LOG2E;  // the entries this work-item staged
+% if masked:
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "qst", "nonfinite[blk & 1]")}\
+${tp.scan(st, "dst", "nonfinite[blk & 1]")}\
+        }
+% endif
+        barrier(CLK_LOCAL_MEM_FENCE);  // Q and lse staged (and the flag set)
+${zeros("s", "BK / 8")}\
+${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="qs", src="k", base="kbase", stride="kstride")}\
+        ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "l2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",
+                       " && ".join(["!edge"] * bool(masked) + ["q0 + BK <= T", "key0 + BQ <= T"]))}
+${flagged("s", "dva", "dos", masked, seen_t)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // dO and D used up
+        if (blk + 1 < nblk) {
+${stage_block("blk + 1", "dO")}\
+        } else {
+${tp.commit(kind)}\
+        }
+${flagged("dp", "dka", "qs", masked, seen_t)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // Q and lse used up
+        if (blk + 1 < nblk) {
+${stage_block("blk + 1", "q")}\
+        } else {
+${tp.commit(kind)}\
         }
     }
     ${store_rows("dva", "dv", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}

@@ -30,10 +30,28 @@
 
     def visible(i, j):                      # query position i sees key position j
         return visible_condition(causal, sliding, i, j) or "1"
+
+    def score(x):                           # a raw score in the log2 domain, scaled (and capped)
+        return "cap * score_tanh(%s * c)" % x if softcap else "%s * c" % x
     tok0 = "tok0" if varlen else "w * T"
     kb_first = "0" if plain and not varlen else "kb0"
     edges = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK")
 %>\
+<%def name="scores(masked)">\
+            #pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+% if masked:
+                    const uint qi = row0 + g + (e >> 1) * 8, kj = k0 + 8 * j + 2 * t + (e & 1);
+                    s[j][e] = (${visible("qi", "kj")} && kj < T) ? ${score("s[j][e]")} : -INFINITY;
+% else:
+                    s[j][e] = ${score("s[j][e]")};
+% endif
+                    mx[e >> 1] = fmax(mx[e >> 1], s[j][e]);
+                }
+            }
+</%def>\
 <%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
 ${tp.geometry(st, hd, nw, bk)}\
@@ -91,6 +109,9 @@ ${tp.load_q(kind, st)}\
     ${tp.put(st, "kr", "kst")}
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
+% if edges:
+        const bool edge = ${" || ".join(edges)};  // some row does not see some key of the block
+% endif
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
         ${tp.fetch(st, "vr", "v", "k0")}
@@ -103,16 +124,13 @@ ${tp.load_q(kind, st)}\
         }
 ${tp.qk(kind, st)}\
 
-        // Mask and scale${" (and cap)" if softcap else ""}; row maxima across the quad.
+        // Scale${" (and cap)" if softcap else ""}, masking only in blocks that hold a key some row does not
+        // see (uniform across the group); row maxima across the quad.
         float mx[2] = {-INFINITY, -INFINITY};
-        #pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const uint qi = row0 + g + (e >> 1) * 8, kj = k0 + 8 * j + 2 * t + (e & 1);
-                s[j][e] = (${visible("qi", "kj")} && kj < T) ? ${"cap * tanh(s[j][e] * c)" if softcap else "s[j][e] * c"} : -INFINITY;
-                mx[e >> 1] = fmax(mx[e >> 1], s[j][e]);
-            }
+        if (${"edge || " if edges else ""}k0 + BK > T) {
+${scores(True)}\
+        } else {
+${scores(False)}\
         }
 ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
         #pragma unroll
@@ -142,13 +160,13 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             }
         }
 
-        ${tp.put(st, "vr", "vst", "nonfinite[kb & 1]" if edges else None)}
+        ${tp.put(st, "vr", "vst", "nonfinite[kb & 1]" if edges else None, "edge")}
         barrier(CLK_LOCAL_MEM_FENCE);
         if (kb + 1 < nkb) {
             ${tp.fetch(st, "kr", "k", "k0 + BK")}
         }
 % if edges:
-        if ((${" || ".join(edges)}) && nonfinite[kb & 1]) {
+        if (edge && nonfinite[kb & 1]) {
 ${tp.pv(kind, st, True, visible)}\
         } else {
 ${tp.pv(kind, st, False, visible)}\

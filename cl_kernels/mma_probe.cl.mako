@@ -2,12 +2,12 @@
 // (tile_products.cl.mako), the operands given as the driver's lanes hold them: a[4] and b[2]
 // words per lane (floats for tf32x3, packed 16-bit pairs otherwise), d[4] floats per lane in the
 // accumulator layout; the 16-bit kinds take B through local memory and ldmatrix, as the drivers'
-// products do. One warp.
+// products do, staged by the lanes and by cp.async from `bn` (B's rows of n, k contiguous). One warp.
 <%namespace name="tp" file="tile_products.cl.mako"/>\
 ${tp.decls(kind, "float")}\
 
 __kernel __attribute__((reqd_work_group_size(32, 1, 1)))
-void mma_probe(__global const uint *a, __global const uint *b, __global float *d)
+void mma_probe(__global const uint *a, __global const uint *b, __global const uint *bn, __global float *d)
 {
     const uint lane = get_local_id(0);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -20,15 +20,19 @@ void mma_probe(__global const uint *a, __global const uint *b, __global float *d
     mma_tf32(acc, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 % else:
     // B through local memory as the drivers stage it, read by ldmatrix (lanes 16-31 read the tiles
-    // of lanes 0-15 again): as rows of V ([k][n], transposed, P·V's) and as rows of K ([n][k],
-    // Q·Kᵀ's); the four products are averaged.
+    // of lanes 0-15 again): as rows of V ([k][n], transposed, P·V's; stored by the lanes) and as
+    // rows of K ([n][k], Q·Kᵀ's; copied by cp.async, 16 bytes a lane); the four products are
+    // averaged.
     __local ushort bt[16 * 8] __attribute__((aligned(16))), bk[8 * 16] __attribute__((aligned(16)));
     const uint g = lane / 4, t = lane % 4;
     const uint b0 = b[2 * lane], b1 = b[2 * lane + 1];
-    bt[(2 * t) * 8 + g] = bk[g * 16 + 2 * t] = b0 & 0xffffu;
-    bt[(2 * t + 1) * 8 + g] = bk[g * 16 + 2 * t + 1] = b0 >> 16;
-    bt[(2 * t + 8) * 8 + g] = bk[g * 16 + 2 * t + 8] = b1 & 0xffffu;
-    bt[(2 * t + 9) * 8 + g] = bk[g * 16 + 2 * t + 9] = b1 >> 16;
+    bt[(2 * t) * 8 + g] = b0 & 0xffffu;
+    bt[(2 * t + 1) * 8 + g] = b0 >> 16;
+    bt[(2 * t + 8) * 8 + g] = b1 & 0xffffu;
+    bt[(2 * t + 9) * 8 + g] = b1 >> 16;
+    if (lane < 16) cp_async16(bk + 8 * lane, bn + 4 * lane, 16u);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
     barrier(CLK_LOCAL_MEM_FENCE);
     uint w[4], v[4];
     ldsm_x4_trans(w, bt + (lane & 15) * 8);

@@ -27,6 +27,13 @@
 %>
 
 <%def name="decls(kind, st)">\
+// tanh of a score under the softcap by one exp2 and one division, where OpenCL's tanh costs a
+// dozen more instructions: absolute error about 2^-23 (relative near 0 larger), a few 2^-23 in the
+// capped score, where the softmax sees absolute errors only. ±1 past ±9, NaN stays NaN.
+inline float score_tanh(float x)
+{
+    return 1.0f - 2.0f / (native_exp2(x * 2.88539008f) + 1.0f);
+}
 % if kind != "fma":
 // Quad (the 4 lanes of one g) reductions by warp shuffles.
 inline float quad_max(float x)
@@ -92,6 +99,19 @@ inline void ${name}(uint *r, __local const ushort *row)
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
 }
 % endfor
+// Copies global → local without registers (cp.async, sm_80 on): `bytes` of the 16 read, the rest
+// zero-filled; complete for the issuing work-item once `landed` leaves fewer groups pending than
+// there were after it, for the others after a barrier too. Global and local addresses as for ldmatrix.
+inline void cp_async16(__local void *dst, __global const void *src, uint bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
+}
+inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
+}
 // lo and hi rounded to nearest even and packed (lo in the low half), as an A or B operand.
 inline uint pack2(float lo, float hi)
 {
@@ -334,6 +354,68 @@ ${a_words("a", "s16", src, base, stride)}\
 % endif
 </%def>
 
+## Staging without registers (the backward's passes): rows r0 .. r0 + BK - 1 of src (from `base`,
+## row stride `stride`; rows past T zero) copied into dst[row * KS + d], 16 bytes a copy, by
+## cp.async on the 16-bit kinds (in flight until `landed`), by plain loads and stores on fma.
+## `commit` closes a group of copies (one group a staging step; empty groups count too).
+<%def name="stage(kind, st, dst, src, r0, base='kbase', stride='kstride')">
+<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
+        #pragma unroll
+        for (int u = 0; u < KN; ++u) {
+            const uint e = lid + u * WG, r = e / (HD / ${per}), cv = e % (HD / ${per});
+            if (e < BK * (HD / ${per})) {
+                const bool in = ${r0} + r < T;
+                const idx_t from = ${base} + (idx_t)(in ? ${r0} + r : 0) * ${stride} + cv * ${per};
+% if kind == "fma":
+                *(__local ${ev} *)(${dst} + r * KS + cv * ${per}) = in ? *(__global const ${ev} *)(${src} + ${at(src, "from", per)}) : (${ev})(0);
+% else:
+                cp_async16(${dst} + r * KS + cv * ${per}, ${src} + ${at(src, "from", per)}, in ? 16u : 0u);
+% endif
+            }
+        }
+</%def>
+## n floats src[index(i)] for i < n into dst[i] (0 where `inside(i)` is false), as `stage` copies.
+<%def name="stage_floats(kind, dst, src, n, index, inside)">
+        for (uint i = lid; i < ${n}; i += WG) {
+% if kind == "fma":
+            ${dst}[i] = ${inside("i")} ? ${src}[${at(src, index("i"))}] : 0.0f;
+% else:
+            cp_async4(${dst} + i, ${src} + ${at(src, index("i"))}, ${inside("i")} ? 4u : 0u);
+% endif
+        }
+</%def>
+<%def name="commit(kind)">\
+% if kind != "fma":
+        asm volatile("cp.async.commit_group;" ::: "memory");
+% endif
+</%def>
+## Wait until at most `pending` groups of this work-item's copies are in flight.
+<%def name="landed(kind, pending)">\
+% if kind != "fma":
+        asm volatile("cp.async.wait_group ${pending};" ::: "memory");
+% endif
+</%def>
+## Set `flag` when a value that this work-item staged (stage's chunks of dst) is NaN or ±Inf.
+<%def name="scan(st, dst, flag)">
+<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
+        #pragma unroll
+        for (int u = 0; u < KN; ++u) {
+            const uint e = lid + u * WG;
+            if (e < BK * (HD / ${per})) {
+                const ${ev} x = *(__local const ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per});
+${nonfinite_check(st, "x", flag)}\
+            }
+        }
+</%def>
+<%def name="nonfinite_check(st, x, flag)">\
+<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
+% if st != "float":
+                if (any((${x} & ${mask}) == ${mask}) || any(((${x} >> 16) & ${mask}) == ${mask})) ${flag} = 1;
+% else:
+                if (any(isinf(${x})) || any(isnan(${x}))) ${flag} = 1;
+% endif
+</%def>
+
 ## The drivers' geometry: head dim, warps and rows of a group, the staged block of BK rows, its row
 ## stride (padded against bank conflicts) and the 16-byte vectors each work-item fetches of it.
 <%def name="geometry(st, hd, nw, bk)">\
@@ -362,8 +444,16 @@ ${a_words("a", "s16", src, base, stride)}\
         }
 </%def>
 
-## Stage the fetched x[KN] in dst[row * KS + d]; `flag`: set it when a value is NaN or ±Inf.
-<%def name="put(st, x, dst, flag=None)">
+## Stage the fetched x[KN] in dst[row * KS + d]; `flag`: set it when a value is NaN or ±Inf (only
+## when the uniform condition `when` holds: the blocks whose flag a driver reads).
+<%def name="put(st, x, dst, flag=None, when=None)">
+% if flag and when:
+        if (${when}) {
+${put(st, x, dst, flag)}\
+        } else {
+${put(st, x, dst)}\
+        }
+% else:
 <% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
         #pragma unroll
         for (int u = 0; u < KN; ++u) {
@@ -371,13 +461,9 @@ ${a_words("a", "s16", src, base, stride)}\
             if (e < BK * (HD / ${per})) {
                 *(__local ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per}) = ${x}[u];
 % if flag:
-<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
-% if st != "float":
-                if (any((${x}[u] & ${mask}) == ${mask}) || any(((${x}[u] >> 16) & ${mask}) == ${mask})) ${flag} = 1;
-% else:
-                if (any(isinf(${x}[u])) || any(isnan(${x}[u]))) ${flag} = 1;
-% endif
+${nonfinite_check(st, x + "[u]", flag)}\
 % endif
             }
         }
+% endif
 </%def>

@@ -500,11 +500,11 @@ def _bwd_mma_heuristic(pass_):
         big = sc["hd"] > 128
         p = {"nw": 2, "bk": 16, "af": 1}
         if dev.type & cl.device_type.GPU:
-            # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps, 32 keys
-            # and the A operands read at each step; dkv 4 warps and 32 query rows up to hd 128, above 8
-            # warps and half the columns a group
-            p = {"nw": 8 if big else 4, "bk": 32 if big or pass_ == "dkv" else 64,
-                 "af": 2 if big and pass_ == "dq" else 1}
+            # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps and 32
+            # keys; dkv 4 warps and 32 query rows up to hd 128, above 8 warps and half the columns a
+            # group; the A operands held in registers (at hd 256 too, spilling: 4.50 ms for dq
+            # against 5.77 read at each step)
+            p = {"nw": 8 if big else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
         if pass_ == "dkv":
             p["cs"] = 2 if big and dev.type & cl.device_type.GPU else 1
         while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
