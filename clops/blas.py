@@ -84,7 +84,7 @@ def gemm(queue, a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, out=
     if beta != 0.0 and out is None:
         raise ValueError("out: needed when beta is not 0 (it is added into)")
     (out,) = outputs(queue, allocator, [("out", out, (m, n))], [("a", a), ("b", b)])
-    lib = library()
+    lib = _lib.get("lib") or library()  # the lock only until it is loaded
     temp_bytes = _temp_bytes(lib, queue, trans_a, trans_b, m, n, k, a.shape[1], b.shape[1])
     temp = scratch(queue, temp_bytes // 4, allocator) if temp_bytes else None
     pending = events(wait_for, a, b, out)
