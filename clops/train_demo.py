@@ -1,13 +1,16 @@
 """``python -m clops train-demo`` (and ``examples/train_lm.py``): a small GPT-style language model
 trained end to end on clops' ops, matmuls through CLBlast (:mod:`clops.blas`).
 
-The model: token embedding; per layer a pre-norm block — ``rms_norm``, q/k/v projections,
+The model: token embedding; per layer a pre-norm block — RMSNorm, q/k/v projections,
 ``qk_norm_rope`` of q and k, causal GQA ``attention`` inside each sequence, the output
-projection, the residual ``add``, ``rms_norm``, a SwiGLU MLP (``swiglu`` between two
-projections), the residual ``add`` — then a final ``rms_norm``, the vocabulary projection and
-``cross_entropy`` (the mean over tokens). The backward is written out op by op (each op's
-``_bwd``, matmul transposes), and ``adamw`` updates every tensor. Everything stays on the
-device; the loss is read back every ``--log`` steps for the progress line.
+projection, the residual add and RMSNorm, a SwiGLU MLP (``swiglu`` between two projections),
+the residual add — then a final RMSNorm, the vocabulary projection and ``cross_entropy`` (the
+mean over tokens). Each residual add and the norm after it are one ``add_rms_norm`` (the first
+norm a ``rms_norm``). The backward is written out op by op (each op's ``_bwd``, matmul
+transposes; ``add_rms_norm_bwd`` adds the norm's gradient into the residual stream's where it
+lies, with the gain's gradient from the same pass), and one ``adamw`` launch updates every
+tensor. Everything stays on the device; the loss is read back every ``--log`` steps for the
+progress line.
 
 The text is generated (a seeded stream of words from a small vocabulary with a fixed order of
 word classes), byte-level tokens. ``--check`` runs the same model in PyTorch (CPU, float64)
@@ -17,15 +20,19 @@ step and compares the first 10 losses, and fails beyond float32's tolerance.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import sys
 import time
+import types
 
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 
 import clops
 
+from .args import index_array
 from .blas import gemm
 from .step import torch_wall_ms
 
@@ -89,79 +96,153 @@ def init_weights(cfg, seed=0):
     return w
 
 
+LEAD = 2  # steps the host enqueues ahead of the device at most (Model.step)
+
+
+def _added_into(name, weight):
+    """Whether the op that makes ``name``'s gradient adds it into the array it is given (embedding_bwd,
+    the gains' backwards) rather than writing it (gemm)."""
+    return name == "embed" or weight.ndim == 1
+
+
 class Model:
-    """The model's weights, gradients and AdamW moments on the device, and one training step."""
+    """The model's weights, gradients and AdamW moments on the device, and one training step.
+
+    Weights, gradients and the two moments each live in one flat buffer, every tensor a sub-buffer of
+    it (its start aligned as the device asks): one ``adamw`` launch updates them all, and one fill
+    zeroes the gradients that ops add into. The step's activations and gradients are arrays made once
+    and given to every op as its outputs, so a step allocates nothing but the ops' scratch: the same
+    arrays are written at every step (and the backward's at every layer), so the queue must be in
+    order.
+    """
 
     def __init__(self, queue, cfg, weights):
+        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+            raise ValueError("queue: the model writes the same arrays at every step; it needs an in-order queue")
         self.q, self.cfg = queue, cfg
-        self.w = {k: cla.to_device(queue, v) for k, v in weights.items()}
-        self.m = {k: cla.zeros_like(v) for k, v in self.w.items()}
-        self.v = {k: cla.zeros_like(v) for k, v in self.w.items()}
+        names = sorted(weights, key=lambda k: not _added_into(k, weights[k]))  # those added into first
+        align = queue.device.mem_base_addr_align // 8  # bytes (the device gives bits)
+        offsets, size = {}, 0
+        for k in names:
+            offsets[k] = size
+            size += -(-weights[k].nbytes // align) * align
+        # the bytes of the gradients added into, zeroed at every step
+        self.zeroed = next((offsets[k] for k in names if not _added_into(k, weights[k])), size)
+        host = np.zeros(size // 4, np.float32)
+        for k in names:
+            host[offsets[k] // 4:][:weights[k].size] = weights[k].ravel()
+        self.flat = {"p": cla.to_device(queue, host), **{k: cla.zeros(queue, host.shape, np.float32) for k in "gmv"}}
+
+        def views(flat):
+            return {k: cla.Array(queue, weights[k].shape, np.float32,
+                                 data=flat.base_data.get_sub_region(offsets[k], weights[k].nbytes)) for k in weights}
+
+        self.w, self.g = views(self.flat["p"]), views(self.flat["g"])
         self.rope = cla.to_device(queue, clops.rope_table(cfg.seq, cfg.hd // 2, theta=1e4))
         self.dloss = cla.to_device(queue, np.full(cfg.tokens, 1.0 / cfg.tokens, np.float32))  # d(mean)/d(row)
         self.step_count = 0
+        self.done = collections.deque()  # the last kernel of each step not yet waited for
+        self.waited = 0.0  # seconds step() has waited for the device
+        n, d, ff, nh, nkv, hd = cfg.tokens, cfg.d, cfg.ff, cfg.nh, cfg.nkv, cfg.hd
+
+        def empty(*shape):
+            return cla.empty(queue, shape, np.float32)
+
+        def heads(h):  # [n, h·hd] and its [n, h, hd] view
+            a = empty(n, h * hd)
+            return a, a.reshape(n, h, hd)
+
+        def saved():  # what a layer keeps for its backward; its x is written by the layer before
+            s = types.SimpleNamespace(x=empty(n, d), h=empty(n, d), inv1=empty(n), qn=empty(n, nh, hd),
+                                      qinv=empty(n, nh), kn=empty(n, nkv, hd), kinv=empty(n, nkv), lse=empty(n, nh),
+                                      x2=empty(n, d), h2=empty(n, d), inv2=empty(n), a=empty(n, ff), b=empty(n, ff),
+                                      sw=empty(n, ff))
+            (s.qr, s.qr3), (s.kr, s.kr3), (s.v, s.v3), (s.o2, s.o) = heads(nh), heads(nkv), heads(nkv), heads(nh)
+            return s
+
+        # layers[-1]: the final norm's input, output and inv, in a layer's names (the last layer writes it as one)
+        self.layers = [saved() for _ in range(cfg.layers)] + [types.SimpleNamespace(x=empty(n, d), h=empty(n, d),
+                                                                                    inv1=empty(n))]
+        # the step's other arrays, rewritten at every layer
+        t = self.tmp = types.SimpleNamespace(proj=empty(n, d), logits=empty(n, cfg.vocab), loss=empty(n),
+                                             lse=empty(n), dh=empty(n, d), dx=empty(n, d), dsw=empty(n, ff),
+                                             da=empty(n, ff), db=empty(n, ff), dqn=empty(n, nh, hd),
+                                             dkn=empty(n, nkv, hd))
+        (t.do, t.do3), (t.dq, t.dq3), (t.dk, t.dk3), (t.dv, t.dv3) = heads(nh), heads(nh), heads(nkv), heads(nkv)
 
     def forward_backward(self, ids, targets):
-        """(per-token loss, {name: gradient}) of one batch; ``ids``/``targets`` int32 [tokens]."""
-        q, c, w = self.q, self.cfg, self.w
-        n, nh, nkv, hd = c.tokens, c.nh, c.nkv, c.hd
-        x = clops.embedding(q, w["embed"], ids)
-        saved = []
+        """(per-token loss, {name: gradient}) of one batch; ``ids``/``targets`` int32 [tokens]. The
+        arrays are the model's own, written again by the next call."""
+        q, c, w, g, t = self.q, self.cfg, self.w, self.g, self.tmp
+        if self.zeroed:
+            cl.enqueue_fill_buffer(q, self.flat["g"].base_data, np.float32(0), 0, self.zeroed)
+        ids = index_array("ids", ids, q, (c.tokens,), below=c.vocab)  # checked and copied once, used twice
+        targets = index_array("targets", targets, q, (c.tokens,), below=c.vocab)
+        layers = self.layers
+        clops.embedding(q, w["embed"], ids, out=layers[0].x)
+        clops.rms_norm(q, layers[0].x, w["0.norm1"], out=layers[0].h, inv=layers[0].inv1)
         for i in range(c.layers):
-            h, inv1 = clops.rms_norm(q, x, w[f"{i}.norm1"])
-            qr, kr, v = (gemm(q, h, w[f"{i}.{p}"]) for p in ("wq", "wk", "wv"))
-            qn, qinv = clops.qk_norm_rope(q, qr.reshape(n, nh, hd), w[f"{i}.qnorm"], self.rope)
-            kn, kinv = clops.qk_norm_rope(q, kr.reshape(n, nkv, hd), w[f"{i}.knorm"], self.rope)
-            v3 = v.reshape(n, nkv, hd)
-            o, lse = clops.attention(q, qn, kn, v3, window=c.seq)
-            x2 = clops.add(q, x, gemm(q, o.reshape(n, nh * hd), w[f"{i}.wo"]))
-            h2, inv2 = clops.rms_norm(q, x2, w[f"{i}.norm2"])
-            a, b = gemm(q, h2, w[f"{i}.w1"]), gemm(q, h2, w[f"{i}.w3"])
-            s = clops.swiglu(q, a, b)
-            saved.append((x, h, inv1, qr, kr, qn, qinv, kn, kinv, v3, o, lse, x2, h2, inv2, a, b, s))
-            x = clops.add(q, x2, gemm(q, s, w[f"{i}.w2"]))
-        hf, invf = clops.rms_norm(q, x, w["norm_f"])
-        logits = gemm(q, hf, w["head"])
-        loss, lse_v = clops.cross_entropy(q, logits, targets)
-        g = {}
-        dlogits = clops.cross_entropy_bwd(q, logits, targets, lse_v, self.dloss, dlogits=logits)
-        g["head"] = gemm(q, hf, dlogits, trans_a=True)
-        dhf = gemm(q, dlogits, w["head"], trans_b=True)
-        dx = clops.rms_norm_bwd(q, x, w["norm_f"], invf, dhf)
-        g["norm_f"] = clops.rms_norm_dw(q, x, invf, dhf)
-        for i in reversed(range(c.layers)):
-            x, h, inv1, qr, kr, qn, qinv, kn, kinv, v3, o, lse, x2, h2, inv2, a, b, s = saved[i]
-            g[f"{i}.w2"] = gemm(q, s, dx, trans_a=True)
-            ds = gemm(q, dx, w[f"{i}.w2"], trans_b=True)
-            da, db = clops.swiglu_bwd(q, a, b, ds)
-            g[f"{i}.w1"], g[f"{i}.w3"] = gemm(q, h2, da, trans_a=True), gemm(q, h2, db, trans_a=True)
-            dh2 = gemm(q, da, w[f"{i}.w1"], trans_b=True)
-            dh2 = gemm(q, db, w[f"{i}.w3"], trans_b=True, beta=1.0, out=dh2)
-            g[f"{i}.norm2"] = clops.rms_norm_dw(q, x2, inv2, dh2)
-            dx2 = clops.add(q, clops.rms_norm_bwd(q, x2, w[f"{i}.norm2"], inv2, dh2), dx)
-            g[f"{i}.wo"] = gemm(q, o.reshape(n, nh * hd), dx2, trans_a=True)
-            do = gemm(q, dx2, w[f"{i}.wo"], trans_b=True).reshape(n, nh, hd)
-            dqn, dkn, dv = clops.attention_bwd(q, qn, kn, v3, o, lse, do, window=c.seq)
-            dq, g[f"{i}.qnorm"] = clops.qk_norm_rope_bwd(q, qr.reshape(n, nh, hd), w[f"{i}.qnorm"], qinv, self.rope, dqn)
-            dk, g[f"{i}.knorm"] = clops.qk_norm_rope_bwd(q, kr.reshape(n, nkv, hd), w[f"{i}.knorm"], kinv, self.rope,
-                                                         dkn)
-            dh = None
-            for p, dp in (("wq", dq.reshape(n, nh * hd)), ("wk", dk.reshape(n, nkv * hd)),
-                          ("wv", dv.reshape(n, nkv * hd))):
-                g[f"{i}.{p}"] = gemm(q, h, dp, trans_a=True)
-                dh = gemm(q, dp, w[f"{i}.{p}"], trans_b=True, beta=0.0 if dh is None else 1.0, out=dh)
-            g[f"{i}.norm1"] = clops.rms_norm_dw(q, x, inv1, dh)
-            dx = clops.add(q, clops.rms_norm_bwd(q, x, w[f"{i}.norm1"], inv1, dh), dx2)
-        g["embed"] = clops.embedding_bwd(q, ids, dx, vocab=c.vocab)
-        return loss, g
+            s, nxt = layers[i], layers[i + 1]
+            for p, out in (("wq", s.qr), ("wk", s.kr), ("wv", s.v)):
+                gemm(q, s.h, w[f"{i}.{p}"], out=out)
+            clops.qk_norm_rope(q, s.qr3, w[f"{i}.qnorm"], self.rope, out=s.qn, inv=s.qinv)
+            clops.qk_norm_rope(q, s.kr3, w[f"{i}.knorm"], self.rope, out=s.kn, inv=s.kinv)
+            clops.attention(q, s.qn, s.kn, s.v3, window=c.seq, out=s.o, lse=s.lse)
+            gemm(q, s.o2, w[f"{i}.wo"], out=t.proj)
+            clops.add_rms_norm(q, s.x, t.proj, w[f"{i}.norm2"], s=s.x2, out=s.h2, inv=s.inv2)
+            gemm(q, s.h2, w[f"{i}.w1"], out=s.a)
+            gemm(q, s.h2, w[f"{i}.w3"], out=s.b)
+            clops.swiglu(q, s.a, s.b, out=s.sw)
+            gemm(q, s.sw, w[f"{i}.w2"], out=t.proj)
+            norm = f"{i + 1}.norm1" if i + 1 < c.layers else "norm_f"
+            clops.add_rms_norm(q, s.x2, t.proj, w[norm], s=nxt.x, out=nxt.h, inv=nxt.inv1)
+        f = layers[-1]
+        gemm(q, f.h, w["head"], out=t.logits)
+        clops.cross_entropy(q, t.logits, targets, loss=t.loss, lse=t.lse)
+        clops.cross_entropy_bwd(q, t.logits, targets, t.lse, self.dloss, dlogits=t.logits)
+        gemm(q, f.h, t.logits, trans_a=True, out=g["head"])
+        gemm(q, t.logits, w["head"], trans_b=True, out=t.dh)
+        clops.rms_norm_bwd(q, f.x, w["norm_f"], f.inv1, t.dh, dx=t.dx, dw=g["norm_f"])
+        for i in reversed(range(c.layers)):  # t.dx: the gradient of the residual stream, updated in place
+            s = layers[i]
+            gemm(q, s.sw, t.dx, trans_a=True, out=g[f"{i}.w2"])
+            gemm(q, t.dx, w[f"{i}.w2"], trans_b=True, out=t.dsw)
+            clops.swiglu_bwd(q, s.a, s.b, t.dsw, da=t.da, db=t.db)
+            gemm(q, s.h2, t.da, trans_a=True, out=g[f"{i}.w1"])
+            gemm(q, s.h2, t.db, trans_a=True, out=g[f"{i}.w3"])
+            gemm(q, t.da, w[f"{i}.w1"], trans_b=True, out=t.dh)
+            gemm(q, t.db, w[f"{i}.w3"], trans_b=True, beta=1.0, out=t.dh)
+            clops.add_rms_norm_bwd(q, s.x2, w[f"{i}.norm2"], s.inv2, t.dh, t.dx, dx=t.dx, dw=g[f"{i}.norm2"])
+            gemm(q, s.o2, t.dx, trans_a=True, out=g[f"{i}.wo"])
+            gemm(q, t.dx, w[f"{i}.wo"], trans_b=True, out=t.do)
+            clops.attention_bwd(q, s.qn, s.kn, s.v3, s.o, s.lse, t.do3, window=c.seq, dq=t.dqn, dk=t.dkn, dv=t.dv3)
+            clops.qk_norm_rope_bwd(q, s.qr3, w[f"{i}.qnorm"], s.qinv, self.rope, t.dqn, dx=t.dq3,
+                                   dw=g[f"{i}.qnorm"])
+            clops.qk_norm_rope_bwd(q, s.kr3, w[f"{i}.knorm"], s.kinv, self.rope, t.dkn, dx=t.dk3,
+                                   dw=g[f"{i}.knorm"])
+            for p, dp in (("wq", t.dq), ("wk", t.dk), ("wv", t.dv)):
+                gemm(q, s.h, dp, trans_a=True, out=g[f"{i}.{p}"])
+                gemm(q, dp, w[f"{i}.{p}"], trans_b=True, beta=0.0 if p == "wq" else 1.0, out=t.dh)
+            clops.add_rms_norm_bwd(q, s.x, w[f"{i}.norm1"], s.inv1, t.dh, t.dx, dx=t.dx, dw=g[f"{i}.norm1"])
+        clops.embedding_bwd(q, ids, t.dx, vocab=c.vocab, dtable=g["embed"])
+        return t.loss, g
 
     def step(self, ids, targets):
-        """One training step; returns the per-token loss array (on the device)."""
-        loss, grads = self.forward_backward(ids, targets)
+        """One training step; returns the per-token loss array (on the device, the model's own: read it
+        before the next step). It first waits for the step ``LEAD`` steps back to complete: the host
+        enqueues at most ``LEAD`` steps ahead of the device, so the scratch that the ops hold until
+        their kernels complete (attention's dS, CLBlast's temporary matrices, …) stays within
+        ``LEAD + 1`` steps' worth, whatever the number of steps between two reads of the loss."""
+        if len(self.done) == LEAD:
+            began = time.perf_counter()
+            self.done.popleft().wait()
+            self.waited += time.perf_counter() - began
+        loss, _ = self.forward_backward(ids, targets)
         self.step_count += 1
-        for k, p in self.w.items():
-            clops.adamw(self.q, p, grads[k], self.m[k], self.v[k], lr=self.cfg.lr, step=self.step_count,
-                        weight_decay=self.cfg.weight_decay)
+        f = self.flat
+        p, _, _ = clops.adamw(self.q, f["p"], f["g"], f["m"], f["v"], lr=self.cfg.lr, step=self.step_count,
+                              weight_decay=self.cfg.weight_decay)
+        self.done.append(p.events[0])  # the step's last kernel
         return loss
 
 
@@ -306,29 +387,39 @@ BENCH = Config(vocab=32000, d=1024, layers=8, nh=16, nkv=4, ff=2816, seq=1024, b
 
 def bench(queue, cfg=BENCH, steps=5, torch=None, out=print):
     """Tokens/s of training steps at ``cfg`` (profiling queue), the shares of the step in clops'
-    kernels, in CLBlast and on the host; with ``torch``, the same model in PyTorch eager float32 on
-    its GPU. Returns the record."""
+    kernels, in CLBlast and on the host (what is left of the wall time: the device waiting), the
+    launches of a step and the host's time to enqueue one; with ``torch``, the same model in PyTorch
+    eager float32 on its GPU. Returns the record."""
     from .profile import Profile
 
     model = Model(queue, cfg, init_weights(cfg, cfg.seed))
     data = batches(make_text(cfg.tokens * 4, cfg.seed), cfg, cfg.seed)
-    for _ in range(2):
+    for _ in range(LEAD + 1):  # back to back, as timed below: the pool then holds what the timed steps take
         model.step(*next(data))
     queue.finish()
     with Profile(queue) as prof:
         model.step(*next(data))
-    blas_ms = sum(r.ms for r in prof.launches if r.template == "CLBlast")
+    blas = [r for r in prof.launches if r.template == "CLBlast"]
+    blas_ms = sum(r.ms for r in blas)
     clops_ms = sum(r.ms for r in prof.launches if r.template != "CLBlast")
+    enqueue, waited = 0.0, model.waited
     start = time.perf_counter()
     for _ in range(steps):
-        model.step(*next(data))
+        batch = next(data)
+        began = time.perf_counter()
+        model.step(*batch)
+        enqueue += time.perf_counter() - began
     queue.finish()
+    enqueue -= model.waited - waited  # the host's own time: not its waits for the device
     wall = (time.perf_counter() - start) * 1e3 / steps
     rec = {"config": dataclasses.asdict(cfg), "wall_ms": wall, "tokens_per_s": cfg.tokens / wall * 1e3,
-           "clops_ms": clops_ms, "clblast_ms": blas_ms, "host_share": max(0.0, 1 - (clops_ms + blas_ms) / wall)}
+           "clops_ms": clops_ms, "clblast_ms": blas_ms, "host_share": max(0.0, 1 - (clops_ms + blas_ms) / wall),
+           "kernels": len(prof.launches) - len(blas), "clblast_calls": len(blas), "enqueue_ms": enqueue * 1e3 / steps}
     out(f"train step d={cfg.d} layers={cfg.layers} T={cfg.seq} batch={cfg.batch} vocab={cfg.vocab}: "
         f"{wall:.2f} ms, {rec['tokens_per_s']:,.0f} tokens/s; clops kernels {clops_ms:.2f} ms "
         f"({clops_ms / wall:.0%}), CLBlast {blas_ms:.2f} ms ({blas_ms / wall:.0%}), host {rec['host_share']:.0%}")
+    out(f"    a step: {rec['kernels']} clops kernels and {rec['clblast_calls']} CLBlast calls, enqueued by the host "
+        f"in {rec['enqueue_ms']:.2f} ms")
     if torch is not None:
         rec["torch"] = torch_bench(torch, cfg, steps)
         t = rec["torch"]

@@ -128,6 +128,7 @@ def test_step_and_train_benches_run(queue, tmp_path):
                           out=lines.append) == 0
         rec = json.loads((tmp_path / "t.json").read_text())
         assert rec["tokens_per_s"] > 0 and rec["clops_ms"] > 0 and rec["clblast_ms"] > 0
+        assert rec["kernels"] > 0 and rec["clblast_calls"] > 0 and rec["enqueue_ms"] > 0
 
 
 def blas_available():

@@ -3,6 +3,7 @@ import ctypes.util
 import os
 
 import numpy as np
+import pyopencl as cl
 import pytest
 
 from clops import blas
@@ -24,6 +25,38 @@ def test_gemm(queue, trans_a, trans_b):
     assert rel_err(c.get(), want) <= 1e-6
     c = blas.gemm(queue, da, db, trans_a=trans_a, trans_b=trans_b, alpha=2.0, beta=-1.0, out=c)
     assert rel_err(c.get(), want) <= 1e-6  # 2·ab − ab
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, True), (True, False)])
+def test_gemm_with_temporary_matrices(queue, trans_a, trans_b):
+    """Sizes past CLBlast's direct kernel on the CPU runtimes, odd ones: its fast kernel takes padded,
+    transposed copies, in the temporary buffer clops gives it (C's too, with beta)."""
+    m, n, k = 1030, 1000, 990
+    lib = blas.library()
+    assert blas._temp_bytes(lib, queue, trans_a, trans_b, m, n, k, m if trans_a else k, k if trans_b else n) > 0
+    a = rnd((k, m) if trans_a else (m, k), 1)
+    b = rnd((n, k) if trans_b else (k, n), 2)
+    c0 = rnd((m, n), 3)
+    da, db, c = to_device(queue, a, b, c0)
+    want = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
+    blas.gemm(queue, da, db, trans_a=trans_a, trans_b=trans_b, beta=0.5, out=c)
+    assert rel_err(c.get(), want + 0.5 * c0) <= 1e-6
+
+
+def test_waits_for_another_queue(queue):
+    """An input written on another queue: the gemm waits for it (a barrier; on the queue's own in-order
+    commands it needs none)."""
+    a, b = rnd((8, 8), 1), rnd((8, 8), 2)
+    da, db = to_device(queue, np.zeros_like(a), b)
+    other, gate = cl.CommandQueue(queue.context), cl.UserEvent(queue.context)
+    da.events = [cl.enqueue_copy(other, da.data, a, wait_for=[gate], is_blocking=False)]  # not yet run
+    assert not blas._implied(queue, da.events) and not blas._implied(queue, [gate])
+    c = blas.gemm(queue, da, db)
+    assert blas._implied(queue, c.events)
+    gate.set_status(cl.command_execution_status.COMPLETE)
+    assert rel_err(c.get(), a.astype(np.float64) @ b) <= 1e-6
+    ooo = cl.CommandQueue(queue.context, properties=cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
+    assert not blas._implied(ooo, [cl.enqueue_marker(ooo)])
 
 
 def test_refusals(queue):

@@ -116,6 +116,19 @@ def test_scratch_is_held_until_its_kernels_complete(queue):
     assert pool.active_blocks <= 2
 
 
+@pytest.mark.parametrize("shape, dtype", [((3, 5, 7), args.F32), ((4,), args.I32), ((2, 6), args.FLOATS[2])])
+def test_new_arrays_are_those_pyopencl_checks(queue, shape, dtype):
+    """The arrays ops make (pyopencl's unchecked constructor) are those of its checked one."""
+    got = args.new_array(queue, shape, None, dtype)
+    want = cla.Array(queue, shape, dtype, allocator=got.allocator, data=got.base_data)
+    for attr in ("shape", "strides", "dtype", "size", "nbytes", "offset", "allocator", "events", "queue", "context"):
+        assert getattr(got, attr) == getattr(want, attr), attr
+    assert (got.flags.c_contiguous, got.flags.f_contiguous) == (want.flags.c_contiguous, want.flags.f_contiguous)
+    host = np.arange(got.size).reshape(shape).astype(dtype)
+    got.set(host)
+    assert (got.get() == host).all()
+
+
 @pytest.mark.parametrize("allocator, word", [
     ("pool", "allocator: expected a callable"),
     (lambda n: None, "allocator: asked for"),
