@@ -11,8 +11,11 @@ over each row (an online max and sum), any vocab size. ``label_smoothing`` as
 ``[0, vocab)`` from the host is refused, from the device gives that row loss NaN and gradient 0.
 No reduction: the caller sums or averages ``loss`` (and scales ``dloss`` to match).
 
-Tuning: op ``"cross_entropy"``, shape class ``{}``, parameters ``wg``, work-items per row, and
-``unroll``, the 16-byte vectors each work-item loads per step before their arithmetic.
+Tuning: op ``"cross_entropy"`` (the forward), shape class ``{}``, parameters ``wg``, work-items per
+row, and ``unroll``, the 16-byte vectors each work-item loads per step before their arithmetic; op
+``"cross_entropy_bwd"``, shape class ``{"st": storage type}``, parameters ``wg``, work-items per
+group, and ``ept``, the 16-byte vectors of a row each work-item loads (all before it stores), so
+that a row takes ⌈(vocab / vector) / (wg·ept)⌉ groups.
 """
 from __future__ import annotations
 
@@ -30,13 +33,22 @@ def heuristic(dev, sc):
     return {"wg": int(min(256 if gpu else 64, dev.max_work_group_size)), "unroll": 2 if gpu else 1}
 
 
+def heuristic_bwd(dev, sc):
+    gpu = bool(dev.type & cl.device_type.GPU)
+    # 64 bytes read per work-item before its first store; short-lived groups, as an elementwise op's
+    return {"wg": int(min(256 if gpu else 64, dev.max_work_group_size)), "ept": 4}
+
+
 SPEC = Spec("cross_entropy", "cross_entropy.cl.mako", ("wg", "unroll"),
             lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "unroll": [1, 2, 4]},
             heuristic, local_bytes=lambda p, sc: 12 * p["wg"],
             # the logits' storage type and whether the forward sums z: each call passes its own
-            render=lambda p, sc: dict(p, st="float", smooth=1),
-            doc="cross_entropy and cross_entropy_bwd: wg work-items per row, unroll 16-byte vectors per "
-                "work-item per step")
+            render=lambda p, sc: dict(p, kind="fwd", st="float", smooth=1),
+            doc="cross_entropy: wg work-items per row, unroll 16-byte vectors per work-item per step")
+BWD = Spec("cross_entropy_bwd", "cross_entropy.cl.mako", ("wg", "ept"),
+           lambda sc: {"wg": [64, 128, 256, 512, 1024], "ept": [1, 2, 4, 8]},
+           heuristic_bwd, render=lambda p, sc: dict(p, kind="bwd", st=sc["st"], smooth=1),
+           doc="cross_entropy_bwd at storage st: wg work-items per group, ept 16-byte vectors per work-item")
 
 
 def _scalars(ignore_index, label_smoothing, softcap):
@@ -63,10 +75,10 @@ def _geometry(queue, logits, targets, ignore_index, allocator):
     return n, vocab, targets
 
 
-def _kernel(queue, name, logits, cap, smoothing):
-    _, knl = SPEC.kernels(queue, {}, cap=int(cap > 0), smooth=int(smoothing > 0), idx=index_type(logits.size),
+def _kernel(queue, spec, sc, name, logits, cap, smoothing):
+    p, knl = spec.kernels(queue, sc, cap=int(cap > 0), smooth=int(smoothing > 0), idx=index_type(logits.size),
                           st=storage(logits.dtype))
-    return knl[name]
+    return p, knl[name]
 
 
 def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=0.0, softcap=None, loss=None,
@@ -76,7 +88,7 @@ def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=
     n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
     loss, lse = outputs(queue, allocator, [("loss", loss, (n,)), ("lse", lse, (n,))],
                         [("logits", logits), ("targets", targets)])
-    knl = _kernel(queue, "cross_entropy_fwd", logits, cap, smoothing)
+    _, knl = _kernel(queue, SPEC, {}, "cross_entropy_fwd", logits, cap, smoothing)
     evt = knl(queue, (n,), [loss.base_data, lse.base_data, logits.base_data, targets.base_data, np.uint32(vocab), np.int32(ignore_index),
                             np.float32(smoothing), np.float32(cap)],
               wait_for=events(wait_for, loss, lse, logits, targets))
@@ -97,9 +109,13 @@ def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, 
     (dlogits,) = outputs(queue, allocator, [("dlogits", dlogits, (n, vocab))],
                          [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
                          in_place=("logits",), dtype=logits.dtype)
-    knl = _kernel(queue, "cross_entropy_bwd", logits, cap, smoothing)  # the forward's program
-    evt = knl(queue, (n,), [dlogits.base_data, logits.base_data, targets.base_data, lse.base_data, dloss.base_data, np.uint32(vocab),
-                            np.int32(ignore_index), np.float32(smoothing), np.float32(cap)],
+    st = storage(logits.dtype)
+    p, knl = _kernel(queue, BWD, {"st": st}, "cross_entropy_bwd", logits, cap, smoothing)
+    vw = 4 if st == "float" else 8  # 16 bytes
+    chunks = max(1, -(-(vocab // vw) // (p["wg"] * p["ept"])))  # a row's whole vectors are fewer than vocab / vw
+    evt = knl(queue, (n * chunks,), [dlogits.base_data, logits.base_data, targets.base_data, lse.base_data, dloss.base_data,
+                                     np.uint32(vocab), np.uint32(chunks), np.int32(ignore_index), np.float32(smoothing),
+                                     np.float32(cap)],
               wait_for=events(wait_for, dlogits, logits, targets, lse, dloss))
     hold([evt], dlogits, logits, targets, lse, dloss)
     return wrote([evt], dlogits)[0]

@@ -312,8 +312,13 @@ def _attention_problem(sc, small):
 
 
 def _cross_entropy(queue, sc, pb):
+    """Both ops (their outputs checked) on float32 logits, or on ``sc["st"]``'s (the backward's family: its
+    16-bit gradient within the relative L2 of one rounding, about 2⁻⁹); the work counted is the bytes of
+    the op the family times (forward: logits, targets read, loss, lse written; backward: logits, targets,
+    lse, dloss read, dlogits written)."""
     n, vocab = pb["rows"], pb["vocab"]
-    x, dloss = ref.rnd((n, vocab), 1, 8.0), ref.rnd(n, 2)
+    dtype = storage_dtype(sc.get("st", "float"))
+    x, dloss = ref.rnd((n, vocab), 1, 8.0).astype(dtype), ref.rnd(n, 2)
     t = np.random.default_rng(3).integers(0, vocab, n).astype(np.int32)
     dx, dl, dt = *_upload(queue, x, dloss), cla.to_device(queue, t)
     pool = _pool(queue)
@@ -326,7 +331,9 @@ def _cross_entropy(queue, sc, pb):
         loss, lse = ref.cross_entropy(x, t)
         return loss, lse, ref.cross_entropy_bwd(x, t, lse, dloss)
 
-    return Case(call, reference, (FWD, FWD, BWD), "GB/s", _nbytes((n, vocab), (n,), (n,), (n,)) * 2 + 8 * n * vocab)
+    row = x.dtype.itemsize * n * vocab
+    work = row + _nbytes((n,), (n,), (n,)) if "st" not in sc else 2 * row + _nbytes((n,), (n,), (n,))
+    return Case(call, reference, (FWD, FWD, BWD if dtype == np.float32 else 1e-2), "GB/s", work)
 
 
 def _embedding(queue, sc, pb):
@@ -353,6 +360,10 @@ def _adamw(queue, sc, pb):
     return Case(call, lambda: ref.adamw(p, g, m, v, **kw), (FWD,) * 3, "GB/s", _nbytes(*[(n,)] * 7))
 
 
+def _xent_problem(sc, small):
+    return {"rows": 8 if small else 4096, "vocab": 5000 if small else 50257}
+
+
 _TOKENS = 16384  # the memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
 FAMILIES = {
     "elementwise": Family(
@@ -376,9 +387,12 @@ FAMILIES = {
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
     "attention_bwd_dqs": _bwd_family("dqs"),
-    "cross_entropy": Family(loss.SPEC, {}, lambda sc, small: {"rows": 8 if small else 4096,
-                                                               "vocab": 5000 if small else 50257},
-                            _cross_entropy, "cross_entropy + cross_entropy_bwd on [rows, vocab]"),
+    "cross_entropy": Family(loss.SPEC, {}, _xent_problem, _cross_entropy,
+                            "cross_entropy on float32 [rows, vocab] (its parameters serve every storage type), "
+                            "timing cross_entropy_fwd", kernels=("cross_entropy_fwd",)),
+    "cross_entropy_bwd": Family(loss.BWD, {"st": "bf16"}, _xent_problem, _cross_entropy,
+                                "cross_entropy_bwd on [rows, vocab] logits of storage st (float, half, bf16), "
+                                "timing cross_entropy_bwd", kernels=("cross_entropy_bwd",)),
     "embedding": Family(embed.SPEC, {}, lambda sc, small: {"rows": 64 if small else _TOKENS,
                                                            "vocab": 500 if small else 50257, "d": 64 if small else 1024},
                         _embedding, "embedding + embedding_bwd on ids [rows] of a [vocab, d] table"),

@@ -222,7 +222,8 @@ LOCAL = [
     (attn.BWD["dqs"], {"hd": 16}, {"idx": "uint"}, [{"wg": 8, "bq": 8, "jc": 5, "tr": 4, "td": 4, "vw": 2}]),
     (elementwise.SPEC, {}, {"idx": "uint"}, []),
     (loss.SPEC, {}, {"idx": "uint", "cap": 1}, [{"wg": 5, "unroll": 1}, {"wg": 64, "unroll": 4}]),
-    (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8}]),
+    (loss.BWD, {"st": "bf16"}, {"idx": "uint", "cap": 1}, [{"wg": 5, "ept": 3}]),
+    (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8, "ept": 2}]),
     (optim.SPEC, {}, {"idx": "uint"}, []),
     (norm.DW, {"d": 96}, {"idx": "uint"}, []),
 ]

@@ -14,6 +14,7 @@ import pytest
 
 import clops
 from clops import reference as ref, tuning
+from clops.args import storage
 from clops.reference import rel_err, rnd
 from helpers import NARROW, narrow_ulps, to_device
 
@@ -95,21 +96,26 @@ def test_narrow_logits(queue, dtype, n, vocab, smoothing, softcap, scale):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), NARROW[1]], ids=str)
-@pytest.mark.parametrize("params", [{"wg": 7, "unroll": 2}, {"wg": 32, "unroll": 4}], ids=str)
-def test_launch_parameters(queue, dtype, params):
+@pytest.mark.parametrize("params, bwd", [({"wg": 7, "unroll": 2}, {"wg": 7, "ept": 3}),
+                                         ({"wg": 32, "unroll": 4}, {"wg": 4, "ept": 1})], ids=str)
+def test_launch_parameters(queue, dtype, params, bwd):
     """Groups not a power of two, several vectors per step; rows of an odd vocab start off and on the
-    vector boundary."""
+    vector boundary; the backward's rows in several groups, the last one part full, an edge longer
+    than a group."""
     n, vocab = 5, 1003
     x = rnd((n, vocab), 13, 6.0).astype(dtype)
     t, dloss = _targets(n, vocab, 14), rnd(n, 15)
     kw = dict(ignore_index=IGNORE, label_smoothing=0.1)
     dx, ddl = to_device(queue, x, dloss)
+    bwd_class = {"st": storage(dtype)}
     tuning.override("cross_entropy", {}, params)
+    tuning.override("cross_entropy_bwd", bwd_class, bwd)
     try:
         loss, lse = clops.cross_entropy(queue, dx, t, **kw)
         grad = clops.cross_entropy_bwd(queue, dx, t, lse, ddl, **kw).get()
     finally:
         tuning.override("cross_entropy", {}, None)
+        tuning.override("cross_entropy_bwd", bwd_class, None)
     want_loss, want_lse = ref.cross_entropy(x, t, **kw)
     assert rel_err(lse.get(), want_lse) <= 1e-6 and rel_err(loss.get(), want_loss) <= 1e-6
     want = ref.cross_entropy_bwd(x, t, lse.get(), dloss, **kw)

@@ -369,9 +369,12 @@ def run_cross_entropy(queue):
     t = np.array([7, -100, 44], np.int32)
     x_, dl_ = cla.to_device(queue, x), cla.to_device(queue, dloss)
     # 45 columns: rows starting off and on a vector boundary, an edge longer than a group of 4, steps of
-    # 2 vectors and then of 1, a last step that does not fill the group
-    for params in _tiles({"wg": 4, "unroll": 2}, {"wg": 5, "unroll": 1}, None):
+    # 2 vectors and then of 1, a last step that does not fill the group; the backward's rows in two
+    # groups of 4 × 2 vectors, the second part full, the edge over both
+    for params, bwd in zip(_tiles({"wg": 4, "unroll": 2}, {"wg": 5, "unroll": 1}, None),
+                           _tiles({"wg": 4, "ept": 2}, {"wg": 5, "ept": 1}, None)):
         tuning.override("cross_entropy", {}, params)
+        tuning.override("cross_entropy_bwd", {"st": "float"}, bwd)
         for cap in (None, 10.0):
             loss, lse = clops.cross_entropy(queue, x_, t, label_smoothing=0.1, softcap=cap)
             want_loss, want_lse = ref.cross_entropy(x, t, label_smoothing=0.1, softcap=cap)
@@ -387,6 +390,7 @@ def run_cross_entropy(queue):
         _expect(f"cross_entropy_bwd {dtype}", clops.cross_entropy_bwd(queue, dx16, t, lse, dl_),
                 ref.cross_entropy_bwd(x16, t, lse.get(), dloss), NARROW_TOL)
     tuning.override("cross_entropy", {}, None)
+    tuning.override("cross_entropy_bwd", {"st": "float"}, None)
 
 
 def run_adamw(queue):
@@ -420,12 +424,14 @@ def run_embedding(queue):
     from clops import reference as ref, tuning
     from clops.reference import rnd
 
-    ids = np.random.default_rng(3).integers(-1, 10, 100).astype(np.int32)  # some out of range
+    ids = np.random.default_rng(3).integers(-1, 10, 200).astype(np.int32)  # some out of range
     i_ = cla.to_device(queue, ids)
     for d in (5, 8):  # the gradient's rows element by element, then in vectors of 4
-        table, dout = rnd((9, d), 1), rnd((100, d), 2)
+        table, dout = rnd((9, d), 1), rnd((200, d), 2)
         t_, d_ = (cla.to_device(queue, a) for a in (table, dout))
-        for params in _tiles({"wg": 4}, None):  # 100 ids, blocks of 32 keys: every kind of sort pass
+        # 200 ids, blocks of 32 keys: every kind of sort pass (global ones of one, two and three strides);
+        # the gradient's rows of 5 and of 2 vectors, three a work-item, the last group part full
+        for params in _tiles({"wg": 4, "ept": 3}, None):
             tuning.override("embedding", {}, params)
             invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
             _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
