@@ -519,6 +519,14 @@ def _bwd_mma_rules(p, sc):
             (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"))
 
 
+def _intel_dq_workaround(dev, sc):
+    """Intel's CPU runtime (2026.2) computes the dq pass with the portable products at 16-bit storage
+    wrong when it optimises (P without its lse: dq·exp(lse)); built unoptimised it is right. The
+    portable products run there only under CLOPS_MMA=fma (tests/test_attention_mma.py pins it)."""
+    intel_cpu = "Intel" in dev.platform.name and dev.type & cl.device_type.CPU
+    return ("-cl-opt-disable",) if intel_cpu and sc["product"] == "fma" and sc["st"] != "float" else ()
+
+
 BWD_MMA = {pass_: Spec(
     "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk", "af") + (("cs",) if pass_ == "dkv" else ()),
     lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], "af": [1, 2], **({"cs": [1, 2]} if pass_ == "dkv" else {})},
@@ -526,6 +534,7 @@ BWD_MMA = {pass_: Spec(
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
     render=lambda p, sc, pass_=pass_: {**PLAIN, "cs": 1, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
                                        "pass_": pass_},
+    options=_intel_dq_workaround if pass_ == "dq" else None,
     doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
     for pass_ in ("dq", "dkv")}
 
