@@ -14,13 +14,10 @@
 // of range) are sorted, so that each vocab row's tokens lie together in
 // increasing i. A bitonic sort over NP = n rounded up to a power of two, padded
 // with ~0, in blocks of B = 8·WG keys: embedding_keys makes each block's keys
-// and sorts it in local memory; then for each size above B, bitonic_global<r>
-// takes the strides ≥ B three at a time (r ≤ 3 a launch) and bitonic_block the
-// strides below B in local memory. Every pass takes up to three strides at
-// once: a work-item holds the 2^r keys they pair in registers and exchanges them
-// there (a third of the local-memory traffic and barriers of a stride a pass;
-// local memory swizzled so that no pass has bank conflicts). embedding_offsets
-// finds each vocab row's first key (a binary search per row: start[v], v ≤ vocab);
+// and sorts it in local memory; then for each size above B, bitonic_global
+// takes the strides ≥ B two at a time (four keys per work-item) and
+// bitonic_block the strides below B in local memory. embedding_offsets finds
+// each vocab row's first key (a binary search per row: start[v], v ≤ vocab);
 // embedding_accumulate streams dtable as one flat run of aligned vectors of VW
 // elements (an elementwise op's layout, whatever d is): work-item t of group b
 // takes the vectors b·WG·EPT + t + e·WG (e < EPT), and for each adds the dout
@@ -61,55 +58,21 @@ void embedding_fwd(__global ${unit} *restrict out, __global const ${unit} *restr
         out[${at("out", "i * d + j")}] = ok ? table[${at("table", "(idx_t)id * d + j")}] : (${unit})0;
 }
 
-## Bitonic passes: a pass takes r ≤ 3 consecutive strides top, top/2, ..., g = top >> (r − 1) of a
-## merge of `size` (powers of two; top < size) at once. Its unit p (of NP >> r) holds the 2^r keys
-## a + m·g (m < 2^r), a = p with r zero bits put in at g's bit, in registers (k0, k1, ...), and
-## exchanges them over the r strides: every pair of each stride exactly once. They lie in one block
-## of 2·top ≤ size, so one direction serves them: ascending where (first key's index & size) is 0.
-<%!
-    def first_key(p, g, r):
-        """The index of unit p's first key: p with r zero bits put in at stride g's bit."""
-        return f"{p} << {r}" if g == "1" else f"(({p} & ~({g} - 1)) << {r} | ({p} & ({g} - 1)))"
-
-    def network(r):
-        """The exchanges of keys k0, ..., k(2^r − 1) over strides 2^(r − 1), ..., 1 of their index: a line a stride."""
-        return [" ".join(f"EXCHANGE(k{m}, k{m + 2**j});" for m in range(2**r) if not m >> j & 1)
-                for j in reversed(range(r))]
-%>\
-// k_a, k_b in the direction `up`
-#define EXCHANGE(ka, kb) { const ulong x = min(ka, kb), y = max(ka, kb); ka = up ? x : y; kb = up ? y : x; }
-## The block's keys in local `s` (key x at SWZ(x): its low four bits XOR the next four, so that the
-## 16 8-byte slots of a bank row see distinct keys in each warp access of every pass): the strides
-## min(size, B)/2 down to 1 of a merge of `size`, three a pass while three are left, then a pass of
-## the last two or one (at g = 1: no bank conflicts).
-#define SWZ(x) ((x) ^ ((x) >> 4 & 15))
-<%def name="local_pass(r, g, size)">\
-            for (uint p = lid; p < (B >> ${r}); p += WG) {
-                const uint a = ${first_key("p", g, r)};
-                const bool up = ((base + a) & ${size}) == 0;
-%   for m in range(2**r):
-                ulong k${m} = s[SWZ(a + ${m} * ${g})];
-%   endfor
-%   for line in network(r):
-                ${line}
-%   endfor
-%   for m in range(2**r):
-                s[SWZ(a + ${m} * ${g})] = k${m};
-%   endfor
+## Every size from `first` to `last` (powers of two), strides min(size, B)/2 down to 1, over the
+## block of keys in local `s`.
+<%def name="block_sort(first, last)">\
+    for (uint size = ${first}; size <= ${last}; size <<= 1) {
+        for (uint stride = min(size, (uint)B) / 2; stride > 0; stride >>= 1) {
+            for (uint p = lid; p < B / 2; p += WG) {
+                const uint a = (p & ~(stride - 1)) << 1 | (p & (stride - 1)), b = a + stride;  // strides: powers of two
+                const bool up = ((base + a) & size) == 0;
+                const ulong ka = s[a], kb = s[b];
+                if ((ka > kb) == up) {
+                    s[a] = kb;
+                    s[b] = ka;
+                }
             }
             barrier(CLK_LOCAL_MEM_FENCE);
-</%def>
-<%def name="local_merge(size)">\
-    {
-        uint top = min(${size}, (uint)B) / 2;
-        for (; top >= 4; top >>= 3) {
-            const uint g = top >> 2;
-${local_pass(3, "g", size)}\
-        }
-        if (top == 2) {
-${local_pass(2, "1", size)}\
-        } else if (top == 1) {
-${local_pass(1, "1", size)}\
         }
     }
 </%def>
@@ -133,13 +96,12 @@ void embedding_keys(__global ulong *restrict keys, __global const int *restrict 
 % endif
             key = (ulong)(ok ? (uint)id : vocab) << 32 | i;
         }
-        s[SWZ(p)] = key;
+        s[p] = key;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint size = 2; size <= B; size <<= 1)
-${local_merge("size")}\
+${block_sort("2", "B")}\
     for (uint p = lid; p < B; p += WG)
-        keys[${at("keys", "base + p")}] = s[SWZ(p)];
+        keys[${at("keys", "base + p")}] = s[p];
 }
 
 // The strides of merge_size below B, in local memory.
@@ -149,33 +111,41 @@ void bitonic_block(__global ulong *restrict keys, const uint merge_size${checked
     __local ulong s[B];
     const uint lid = get_local_id(0), base = get_group_id(0) * B;
     for (uint p = lid; p < B; p += WG)
-        s[SWZ(p)] = keys[${at("keys", "base + p")}];
+        s[p] = keys[${at("keys", "base + p")}];
     barrier(CLK_LOCAL_MEM_FENCE);
-${local_merge("merge_size")}\
+${block_sort("merge_size", "merge_size")}\
     for (uint p = lid; p < B; p += WG)
-        keys[${at("keys", "base + p")}] = s[SWZ(p)];
+        keys[${at("keys", "base + p")}] = s[p];
 }
 
-% for r in (1, 2, 3):
-// The ${r} stride${"s" if r > 1 else ""} from `stride` down (all ≥ B) of a merge of `size`: work-item p holds ${2**r} keys.
+// Stride `stride` (≥ B) of `size`, and with `both` gap = stride/2 after it: work-item p holds the
+// keys a, a + gap, a + stride, a + stride + gap in registers.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void bitonic_global${r}(__global ulong *restrict keys, const uint size, const uint stride${checked_args("keys")})
+void bitonic_global(__global ulong *restrict keys, const uint size, const uint stride, const int both${checked_args("keys")})
 {
-    const uint p = get_global_id(0), g = stride >> ${r - 1};
-    const uint a = ${first_key("p", "g", r)};
-    const bool up = (a & size) == 0;
-%   for m in range(2**r):
-    ulong k${m} = keys[${at("keys", "a + %d * g" % m)}];
-%   endfor
-%   for line in network(r):
-    ${line}
-%   endfor
-%   for m in range(2**r):
-    keys[${at("keys", "a + %d * g" % m)}] = k${m};
-%   endfor
+    const uint p = get_global_id(0), gap = stride / 2;
+    const uint a = (p & ~(gap - 1)) << 2 | (p & (gap - 1));  // (p / gap)·2·stride + p % gap, gap a power of two
+    const bool up = (a & size) == 0;  // the same for all four: they lie in one block of 2·stride ≤ size
+    ulong k[4];
+    for (int r = 0; r < 4; ++r)
+        k[r] = keys[${at("keys", "a + r * gap")}];
+    for (int r = 0; r < 2; ++r)
+        if ((k[r] > k[r + 2]) == up) {
+            const ulong t = k[r];
+            k[r] = k[r + 2];
+            k[r + 2] = t;
+        }
+    if (both)
+        for (int r = 0; r < 4; r += 2)
+            if ((k[r] > k[r + 1]) == up) {
+                const ulong t = k[r];
+                k[r] = k[r + 1];
+                k[r + 1] = t;
+            }
+    for (int r = 0; r < 4; ++r)
+        keys[${at("keys", "a + r * gap")}] = k[r];
 }
 
-% endfor
 // start[v]: the first sorted key whose id is ≥ v, for v ≤ vocab.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void embedding_offsets(__global uint *restrict start, __global const ulong *restrict keys, const uint np,

@@ -120,10 +120,10 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
     size = 2 * block
     while size <= padded:
         stride = size // 2
-        while stride >= block:  # up to three strides ≥ the block a launch, 2^r keys a work-item
-            r = min(3, (stride // block).bit_length())
-            then(f"bitonic_global{r}", (padded >> r) // wg, keys, np.uint32(size), np.uint32(stride))
-            stride >>= r
+        while stride >= block:  # two strides a launch while both are ≥ the block
+            both = stride // 2 >= block
+            then("bitonic_global", padded // 4 // wg, keys, np.uint32(size), np.uint32(stride), np.int32(both))
+            stride //= 4 if both else 2
         then("bitonic_block", padded // block, keys, np.uint32(size))
         size *= 2
     then("embedding_offsets", -(-(vocab + 1) // wg), start, keys, np.uint32(padded), np.uint32(vocab))

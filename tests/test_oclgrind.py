@@ -424,13 +424,13 @@ def run_embedding(queue):
     from clops import reference as ref, tuning
     from clops.reference import rnd
 
-    ids = np.random.default_rng(3).integers(-1, 10, 200).astype(np.int32)  # some out of range
+    ids = np.random.default_rng(3).integers(-1, 10, 100).astype(np.int32)  # some out of range
     i_ = cla.to_device(queue, ids)
     for d in (5, 8):  # the gradient's rows element by element, then in vectors of 4
-        table, dout = rnd((9, d), 1), rnd((200, d), 2)
+        table, dout = rnd((9, d), 1), rnd((100, d), 2)
         t_, d_ = (cla.to_device(queue, a) for a in (table, dout))
-        # 200 ids, blocks of 32 keys: every kind of sort pass (global ones of one, two and three strides);
-        # the gradient's rows of 5 and of 2 vectors, three a work-item, the last group part full
+        # 100 ids, blocks of 32 keys: every kind of sort pass; the gradient's rows of 5 and of 2 vectors,
+        # three a work-item, the last group part full
         for params in _tiles({"wg": 4, "ept": 3}, None):
             tuning.override("embedding", {}, params)
             invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
