@@ -18,17 +18,12 @@
 // takes the strides ≥ B two at a time (four keys per work-item) and
 // bitonic_block the strides below B in local memory. embedding_offsets finds
 // each vocab row's first key (a binary search per row: start[v], v ≤ vocab);
-// embedding_accumulate streams dtable as one flat run of aligned vectors of VW
-// elements (an elementwise op's layout, whatever d is): work-item t of group b
-// takes the vectors b·WG·EPT + t + e·WG (e < EPT), and for each adds the dout
-// rows of its vocab row's keys in that order (into dtable's own value when acc;
-// a row without tokens is then left as it is). The EPT vectors' row offsets,
-// first tokens and first dout loads are each issued together (a vocab row of one
-// token, the common case, waits on three loads whatever EPT is); further tokens
-// four loads in flight. Same bits every run.
+// embedding_accumulate, one work-group per vocab row, adds the dout rows of its
+// keys in that order (into dtable's own row when acc; a row without tokens is
+// then left as it is) in vectors of VW elements, aligned, four tokens' loads in
+// flight: the main pass streams whole rows of dtable. Same bits every run.
 //
-// Parameters: WG work-items per group, EPT dtable vectors per work-item of the
-// gradient's main pass, COUNT whether invalid ids are counted,
+// Parameters: WG work-items per group, COUNT whether invalid ids are counted,
 // IDX the index type (uint when every index fits 32 bits, else ulong), ST the
 // storage type of table, out and dout, GST that of dtable (float32 or ST),
 // UNIT the lookup's copy type, VW the gradient's vector width (dividing d).
@@ -36,7 +31,6 @@
 #define WG ${wg}
 #define B (8 * WG)
 #define VW ${vw}
-#define EPT ${ept}
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st, gst)}\
@@ -168,53 +162,26 @@ void embedding_offsets(__global uint *restrict start, __global const ulong *rest
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void embedding_accumulate(__global ${ctype(gst)} *restrict dtable, __global const ${ctype(st)} *restrict dout,
                           __global const ulong *restrict keys, __global const uint *restrict start, const uint d,
-                          const idx_t total, const int acc${checked_args("dtable", "dout", "keys", "start")})
+                          const int acc${checked_args("dtable", "dout", "keys", "start")})
 {
-    // dtable as `total` vectors of VW elements, `per` a row; this work-item's vectors f + e·WG (e < EPT)
-    const uint per = d / VW, step_rows = WG / per, step_cols = WG - step_rows * per;
-    const idx_t f = (idx_t)get_group_id(0) * (WG * EPT) + get_local_id(0);
-    idx_t v = f / per;  // the vector's row, and j its vector in the row
-    uint j = (uint)(f - v * per);
-% for e in range(ept):
-%   if e:
-    j += step_cols;
-    v += step_rows + (j >= per);
-    j -= j >= per ? per : 0;
-%   endif
-    const uint c${e} = j * VW;  // its first column
-    const idx_t at${e} = v * d + c${e};  // its first dtable element
-    uint lo${e} = 0, hi${e} = 0;  // its row's keys
-    if (f + ${e} * WG < total) {
-        lo${e} = start[${at("start", "v")}];
-        hi${e} = start[${at("start", "v + 1")}];
-    }
-% endfor
-    // each vector's first token's dout and its given dtable value, all loaded before any is added
-% for e in range(ept):
-    const idx_t first${e} = lo${e} < hi${e} ? (idx_t)(uint)keys[${at("keys", "lo%d" % e)}] * d + c${e} : 0;
-% endfor
-% for e in range(ept):
-    ${vtype(vw)} sum${e} = acc && lo${e} < hi${e} ? ${load(gst, vw, "dtable", at("dtable", "at%d" % e, vw), aligned=True)} : (${vtype(vw)})0.0f;
-    const ${vtype(vw)} x${e} = lo${e} < hi${e} ? ${load(st, vw, "dout", at("dout", "first%d" % e, vw), aligned=True)} : (${vtype(vw)})0.0f;
-% endfor
-% for e in range(ept):
-<% token = lambda k: "(idx_t)(uint)keys[%s] * d + c%d" % (at("keys", k), e) %>\
-    if (lo${e} < hi${e}) {
-        sum${e} += x${e};
-        uint k = lo${e} + 1;
-        for (; k + 4 <= hi${e}; k += 4) {  // four rows' loads in flight, added in token order
+    const uint lid = get_local_id(0), v = get_group_id(0);
+    const uint lo = start[${at("start", "v")}], hi = start[${at("start", "v + 1")}];
+    if (acc && lo == hi)
+        return;  // nothing to add
+    for (uint j = lid * VW; j < d; j += WG * VW) {
+        ${vtype(vw)} sum = acc ? ${load(gst, vw, "dtable", at("dtable", "(idx_t)v * d + j", vw), aligned=True)} : (${vtype(vw)})0.0f;
+        uint k = lo;
+        for (; k + 4 <= hi; k += 4) {  // four rows' loads in flight, added in token order
 %   for u in range(4):
-            const ${vtype(vw)} y${u} = ${load(st, vw, "dout", at("dout", token("k + %d" % u), vw), aligned=True)};
+            const ${vtype(vw)} x${u} = ${load(st, vw, "dout", at("dout", "(idx_t)(uint)keys[%s] * d + j" % at("keys", "k + %d" % u), vw), aligned=True)};
 %   endfor
-            sum${e} += y0;
-            sum${e} += y1;
-            sum${e} += y2;
-            sum${e} += y3;
+            sum += x0;
+            sum += x1;
+            sum += x2;
+            sum += x3;
         }
-        for (; k < hi${e}; ++k)
-            sum${e} += ${load(st, vw, "dout", at("dout", token("k"), vw), aligned=True)};
+        for (; k < hi; ++k)
+            sum += ${load(st, vw, "dout", at("dout", "(idx_t)(uint)keys[%s] * d + j" % at("keys", "k"), vw), aligned=True)};
+        ${store(gst, vw, "sum", "dtable", at("dtable", "(idx_t)v * d + j", vw), aligned=True)};
     }
-    if (f + ${e} * WG < total && !(acc && lo${e} == hi${e}))  // a given dtable's rows without tokens left as they are
-        ${store(gst, vw, "sum%d" % e, "dtable", at("dtable", "at%d" % e, vw), aligned=True)};
-% endfor
 }

@@ -13,31 +13,28 @@ output row is zeros, their gradient is dropped) and, when an int32 ``[1]`` devic
 device (a bitonic sort, no float atomics), finds each vocab row's run of them, and adds each
 vocab row's token rows in token order: the same bits every run.
 
-Tuning: op ``"embedding"``, shape class ``{}``, parameters ``wg``: work-items per group (a power
-of two; the sort works on blocks of ``8·wg`` keys in local memory), and ``ept``: the gradient's
-vectors (16 bytes of dtable) per work-item, each one's loads in flight together.
+Tuning: op ``"embedding"``, shape class ``{}``, parameter ``wg``: work-items per group (a power
+of two; the sort works on blocks of ``8·wg`` keys in local memory).
 """
 from __future__ import annotations
 
 import numpy as np
 import pyopencl as cl
 
-from .args import (F32, FLOATS, I32, check_array, check_queue, events, hold, index_array, index_scalar, index_type, outputs,
+from .args import (F32, FLOATS, I32, check_array, check_queue, events, hold, index_array, index_type, outputs,
                    positive_int, scratch, storage, wrote)
 from .spec import Spec
 
 
 def heuristic(dev, sc):
-    return {"wg": int(min(256 if dev.type & cl.device_type.GPU else 64, dev.max_work_group_size)), "ept": 4}
+    return {"wg": int(min(256 if dev.type & cl.device_type.GPU else 64, dev.max_work_group_size))}
 
 
-SPEC = Spec("embedding", "embedding.cl.mako", ("wg", "ept"),
-            lambda sc: {"wg": [32, 64, 128, 256, 512], "ept": [1, 2, 4, 8]}, heuristic,
+SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
             rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
             local_bytes=lambda p, sc: 64 * p["wg"],
             render=lambda p, sc: dict(p, st="float", gst="float", unit="uint", vw=1),  # each call passes its own
-            doc="embedding and embedding_bwd: wg work-items per group, ept the gradient's 16-byte vectors per "
-                "work-item")
+            doc="embedding and embedding_bwd: wg work-items per group")
 
 
 def _invalid(queue, invalid):
@@ -47,10 +44,9 @@ def _invalid(queue, invalid):
 
 
 def _kernels(queue, invalid, dtype, *sizes, grad_dtype=F32, unit="uint", vw=1):
-    """(render parameters, kernels)."""
     p, knl = SPEC.kernels(queue, {}, count=int(invalid is not None), idx=index_type(*sizes), st=storage(dtype),
                           gst=storage(grad_dtype), unit=unit, vw=vw)
-    return p, knl
+    return p["wg"], knl
 
 
 # The lookup's copy unit: the widest whose size divides a row's bytes.
@@ -73,7 +69,7 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
                      dtype=table.dtype)
     size, unit = next((size, unit) for size, unit in _UNITS if d * table.dtype.itemsize % size == 0)
     units = d * table.dtype.itemsize // size  # per row
-    p, knl = _kernels(queue, invalid, table.dtype, n * units, vocab * units, unit=unit)
+    wg, knl = _kernels(queue, invalid, table.dtype, n * units, vocab * units, unit=unit)
     evt = knl["embedding_fwd"](queue, (n,), [out.base_data, table.base_data, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
                                + [np.uint32(vocab), np.uint32(units)], wait_for=events(wait_for, out, table, ids, invalid))
     hold([evt], out, table, ids, invalid)
@@ -104,9 +100,7 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
                         [("ids", ids), ("dout", dout), ("invalid", invalid)])
     # the gradient's vectors: 16 bytes of dtable, or the widest vector that divides d
     vw = next(w for w in (8, 4, 2, 1) if w * dtable.dtype.itemsize <= 16 and d % w == 0)
-    sizes = (n * d, vocab * d)
-    p, knl = _kernels(queue, invalid, dout.dtype, *sizes, grad_dtype=dtable.dtype, vw=vw)
-    wg = p["wg"]
+    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, grad_dtype=dtable.dtype, vw=vw)
     block = 8 * wg
     padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
     keys = scratch(queue, 2 * padded, allocator)  # ulong keys
@@ -127,10 +121,8 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
         then("bitonic_block", padded // block, keys, np.uint32(size))
         size *= 2
     then("embedding_offsets", -(-(vocab + 1) // wg), start, keys, np.uint32(padded), np.uint32(vocab))
-    total = vocab * d // vw  # dtable's vectors
-    evt = knl["embedding_accumulate"](queue, (-(-total // (wg * p["ept"])),),
-                                      [dtable.base_data, dout.base_data, keys, start, np.uint32(d),
-                                       index_scalar(index_type(*sizes))(total), np.int32(accumulate)],
+    evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.base_data, dout.base_data, keys, start, np.uint32(d),
+                                                        np.int32(accumulate)],
                                       wait_for=evts[-1:] + events(None, dtable, dout))
     hold([evt], keys, start, ids, dout, dtable, invalid)
     if invalid is not None:

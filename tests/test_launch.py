@@ -223,7 +223,7 @@ LOCAL = [
     (elementwise.SPEC, {}, {"idx": "uint"}, []),
     (loss.SPEC, {}, {"idx": "uint", "cap": 1}, [{"wg": 5, "unroll": 1}, {"wg": 64, "unroll": 4}]),
     (loss.BWD, {"st": "bf16"}, {"idx": "uint", "cap": 1}, [{"wg": 5, "ept": 3}]),
-    (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8, "ept": 2}]),
+    (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8}]),
     (optim.SPEC, {}, {"idx": "uint"}, []),
     (norm.DW, {"d": 96}, {"idx": "uint"}, []),
 ]
