@@ -23,7 +23,10 @@
 // 8), ST storage type, KIND the tile product (fma, bf16, f16); AF: the 16-bit products fetch the
 // warp's A operands (Q and dO, or K and V) once, held in registers (1), or from global memory at
 // each step, L1-cached (2); dkv only, CS: the group computes 1/CS of dK's and dV's head-dim
-// columns (CS groups per key block, each computing S and dP: fewer registers for more work).
+// columns (CS groups per key block, each computing S and dP: fewer registers for more work); SX
+// (with CS 2): 1, or 2 for the two column halves taken by the two warps of a pair in one group
+// (8·NW keys a group), each computing S and dP over its half of the columns and adding the
+// pair's partial sums through local memory (the same bits in both: the sum commutes).
 <%!
     from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
@@ -114,6 +117,22 @@ ${coefficient_loop(p, ds, qi, kj, l2, dd, True)}\
     }
 </%def>
 
+## dkv with sx 2: the warp's partial tile x[BK/8][4] into xch (lane-minor), and the pair's added to it
+## (own + pair's in each warp of the pair: the same bits in both, addition commuting).
+<%def name="share(x)">\
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) xch[((wi * (BK / 8) + j) * 4 + e) * 32 + lane] = ${x}[j][e];
+        }
+</%def>
+<%def name="add_pair(x)">\
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) ${x}[j][e] += xch[(((wi ^ 1) * (BK / 8) + j) * 4 + e) * 32 + lane];
+        }
+</%def>
 ## dkv: stage block `b`'s dO rows and D (which "dO") or Q rows and lse (which "q"), one group of copies.
 <%def name="stage_block(b, which)">
         {
@@ -252,6 +271,7 @@ ${tp.commit(kind)}\
     ${store_rows("acc", "dq", "qbase", "qstride")}
 }
 % else:
+#define KG (16 * NW / ${sx})  // keys a group
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restrict k,
                   __global const ${et} *restrict v, __global const ${et} *restrict dO,
@@ -264,12 +284,22 @@ void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restri
     __local const ${et} *qs = qst, *dos = dst;  // the query block's Q and dO
     __local float l2s[BK], dds[BK];            // their lse·log2 e and D
     __local int nonfinite[2];                  // Q or dO of the block holds a NaN or ±Inf
+% if sx == 2:
+    __local float xch[NW * 16 * BK];          // each warp's partial Sᵀ or dPᵀ, for its pair
+% endif
 ${tp.locals(kind, quads=False)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
+% if sx == 2:
+    // warps 2i and 2i + 1 take keys key0 + 16i .. + 15, each half of the columns
+    const uint gk = get_group_id(0), w = get_group_id(1);
+    const uint col0 = wi % 2 * (HD / 2);  // the warp's first column of dK and dV
+    const uint key0 = get_group_id(2) * KG, row0 = key0 + wi / 2 * 16;  // the group's and the warp's first key
+% else:
     const uint gk = get_group_id(0) / ${cs}, w = get_group_id(1);
     const uint col0 = get_group_id(0) % ${cs} * (HD / ${cs});  // the group's first column of dK and dV
-    const uint key0 = get_group_id(2) * BQ, row0 = key0 + wi * 16;  // the group's and the warp's first key
+    const uint key0 = get_group_id(2) * KG, row0 = key0 + wi * 16;  // the group's and the warp's first key
+% endif
 % if varlen:
     const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
 % endif
@@ -278,22 +308,26 @@ ${tp.locals(kind, quads=False)}\
     const idx_t kbase = (idx_t)${tok0} * kstride + gk * HD;
     // the query blocks holding a query that sees a key of the group (none past the sequence's end)
     const uint qfirst = ${"key0 / BK * BK" if causal else ("key0 + 1 > W ? (key0 + 1 - W) / BK * BK : 0" if sliding else "0")};
-    const uint qend = key0 < T ? ${"min(T, key0 + BQ - 1 + W)" if sliding else "T"} : 0;
+    const uint qend = key0 < T ? ${"min(T, key0 + KG - 1 + W)" if sliding else "T"} : 0;
+<%
+    # sx 2: the products Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warp's half of the columns, summed with its pair's
+    part = dict(cols="(HD / 2)", base="kbase + col0", stride="kstride") if sx == 2 else dict(base="kbase", stride="kstride")
+%>\
 % if af == 1:
-${tp.load_q(kind, st, frag="kf", src="k", base="kbase", stride="kstride")}\
-${tp.load_q(kind, st, frag="vf", src="v", base="kbase", stride="kstride")}\
+${tp.load_q(kind, st, frag="kf", src="k", **part)}\
+${tp.load_q(kind, st, frag="vf", src="v", **part)}\
 % endif
 ${zeros("dka", "HD / %d / 8" % cs)}\
 ${zeros("dva", "HD / %d / 8" % cs)}\
 
 <%
-    masked = mask_edges(causal, sliding, "q0", "key0", "BK", "BQ")
+    masked = mask_edges(causal, sliding, "q0", "key0", "BK", "KG")
     seen_t = lambda key, query: visible(query, key)  # the products' rows are keys here
 %>\
     // Blocks in order of (query head, query block): block b is head gk·rep + b / nqb, queries from
     // qfirst + (b % nqb)·BK. Each reaches local memory without registers, dO and D first, Q and lse
     // second: dPᵀ = V·dOᵀ runs while Q lands, dK += dSᵀ·Q while the next dO does, the next dPᵀ
-    // while the next Q does. Four barriers a block.
+    // while the next Q does. Four barriers a block (six with SX 2).
     const uint nqb = qend > qfirst ? (qend - qfirst + BK - 1) / BK : 0, nblk = rep * nqb;
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
     if (nblk > 0) {
@@ -309,7 +343,10 @@ ${tp.landed(kind, 1)}\
         barrier(CLK_LOCAL_MEM_FENCE);  // dO and D staged
         if (lid == 0) nonfinite[(blk + 1) & 1] = 0;
 ${zeros("dp", "BK / 8")}\
-${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="dos", src="v", base="kbase", stride="kstride")}\
+${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="(dos + col0)" if sx == 2 else "dos", src="v", **part)}\
+% if sx == 2:
+${share("dp")}\
+% endif
 ${tp.landed(kind, 0)}\
         for (uint i = lid; i < BK; i += WG) l2s[i] *= LOG2E;  // the entries this work-item staged
 % if masked:
@@ -318,11 +355,20 @@ ${tp.scan(st, "qst", "nonfinite[blk & 1]")}\
 ${tp.scan(st, "dst", "nonfinite[blk & 1]")}\
         }
 % endif
-        barrier(CLK_LOCAL_MEM_FENCE);  // Q and lse staged (and the flag set)
+        barrier(CLK_LOCAL_MEM_FENCE);  // Q and lse staged (and the flag set; the pair's dPᵀ shared)
+% if sx == 2:
+${add_pair("dp")}\
+% endif
 ${zeros("s", "BK / 8")}\
-${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="qs", src="k", base="kbase", stride="kstride")}\
+${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="(qs + col0)" if sx == 2 else "qs", src="k", **part)}\
+% if sx == 2:
+        barrier(CLK_LOCAL_MEM_FENCE);  // the pair's dPᵀ read
+${share("s")}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // the pair's Sᵀ shared
+${add_pair("s")}\
+% endif
         ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "l2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",
-                       " && ".join(["!edge"] * bool(masked) + ["q0 + BK <= T", "key0 + BQ <= T"]))}
+                       " && ".join(["!edge"] * bool(masked) + ["q0 + BK <= T", "key0 + KG <= T"]))}
 ${flagged("s", "dva", "dos", masked, seen_t)}\
         barrier(CLK_LOCAL_MEM_FENCE);  // dO and D used up
         if (blk + 1 < nblk) {

@@ -24,6 +24,10 @@
     def widen(st, x):
         """A stored element as float."""
         return x if st == "float" else "clops_%s_to_float(%s)" % (st, x)
+
+    def steps16(cols):
+        """The k-steps of 16 over `cols` columns (a C expression)."""
+        return "HD16" if cols == "HD" else "((%s + 15) / 16)" % cols
 %>
 
 <%def name="decls(kind, st)">\
@@ -138,12 +142,12 @@ inline uint pack2(float lo, float hi)
 ## V), held in `frag`. tf32x3: head-dim columns are permuted inside each k-step (a sum over them
 ## does not care) so that a lane's two B words are adjacent in local memory, one 64-bit load: mma
 ## k-index t is column 2t, t + 4 is 2t + 1. 16-bit: columns in mma.sync's order (qk's B by ldmatrix).
-<%def name="load_q(kind, st, frag='qf', src='q', base='qbase', stride='qstride')">\
+<%def name="load_q(kind, st, frag='qf', src='q', base='qbase', stride='qstride', cols='HD')">\
 % if kind == "bf16" or kind == "f16":
-    uint ${frag}[HD16][4];  // A fragments, 16 columns a step; columns past HD are zero
+    uint ${frag}[${steps16(cols)}][4];  // A fragments, 16 columns a step; columns past `cols` are zero
     #pragma unroll
-    for (int s = 0; s < HD16; ++s) {
-${a_words(frag + "[s]", "s", src, base, stride)}\
+    for (int s = 0; s < ${steps16(cols)}; ++s) {
+${a_words(frag + "[s]", "s", src, base, stride, cols)}\
     }
 % elif kind == "tf32x3":
     float ${frag}[HD / 8][4];  // A fragments, 8 columns a step (split when used)
@@ -162,19 +166,20 @@ ${a_words(frag + "[s]", "s", src, base, stride)}\
 
 ## The four 16-bit A words of k-step `s` (16 columns; columns past HD are zero) of the warp's rows
 ## into dst[0..3], in mma.sync's layout: (g, 2t..2t+1), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..).
-<%def name="a_words(dst, s, src, base, stride)">\
+<%def name="a_words(dst, s, src, base, stride, cols='HD')">\
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const uint r = row0 + g + 8 * e, d = ${s} * 16 + 2 * t;
-            ${dst}[e] = (r < T && d < HD) ? *(__global const uint *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 2)}) : 0u;
-            ${dst}[2 + e] = (r < T && d + 8 < HD) ? *(__global const uint *)(${src} + ${at(src, "%s + (idx_t)r * %s + d + 8" % (base, stride), 2)}) : 0u;
+            ${dst}[e] = (r < T && d < ${cols}) ? *(__global const uint *)(${src} + ${at(src, "%s + (idx_t)r * %s + d" % (base, stride), 2)}) : 0u;
+            ${dst}[2 + e] = (r < T && d + 8 < ${cols}) ? *(__global const uint *)(${src} + ${at(src, "%s + (idx_t)r * %s + d + 8" % (base, stride), 2)}) : 0u;
         }
 </%def>
 
 ## out[BK/8][4] += A·Bᵀ, A the warp's rows of load_q (`frag`; the portable kind, and the 16-bit ones
 ## with frag None, read them from `src` at `base`, row stride `stride`), B staged in bs[key * KS + d] (the driver's row0, T): the
-## forward's S = Q·Kᵀ; the backward's dP = dO·Vᵀ, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
-<%def name="qk(kind, st, out='s', frag='qf', bs='ks', src='q', base='qbase', stride='qstride')">\
+## forward's S = Q·Kᵀ; the backward's dP = dO·Vᵀ, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ. `cols`: the product over
+## the first `cols` columns of A and B only (a partial sum; `base` and `bs` may start mid-row).
+<%def name="qk(kind, st, out='s', frag='qf', bs='ks', src='q', base='qbase', stride='qstride', cols='HD')">\
 % if kind == "fma":
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
@@ -183,7 +188,7 @@ ${a_words(frag + "[s]", "s", src, base, stride)}\
                 const uint r = row0 + g + (e >> 1) * 8, key = 8 * j + 2 * t + (e & 1);
                 float dot = 0.0f;
                 if (r < T) {
-                    for (int d = 0; d < HD; ++d)
+                    for (int d = 0; d < ${cols}; ++d)
                         dot = fma(${widen(st, "%s[%s]" % (src, at(src, "%s + (idx_t)r * %s + d" % (base, stride))))}, ${widen(st, "%s[key * KS + d]" % bs)}, dot);
                 }
                 ${out}[j][e] += dot;
@@ -209,12 +214,12 @@ ${a_words(frag + "[s]", "s", src, base, stride)}\
 % else:
 <% a = "a" if frag is None else frag + "[s16]" %>\
         #pragma unroll
-        for (int s16 = 0; s16 < HD16; ++s16) {
+        for (int s16 = 0; s16 < ${steps16(cols)}; ++s16) {
 % if frag is None:
             uint a[4];  // read at each step (L1-cached): no registers held across the block loop
-${a_words("a", "s16", src, base, stride)}\
+${a_words("a", "s16", src, base, stride, cols)}\
 % endif
-#if HD % 16 == 0
+#if ${cols} % 16 == 0
             // B of two key tiles a load: tiles (keys 8j.., cols 16·s16..), (keys 8j.., 16·s16 + 8..),
             // then the same at keys 8(j + 1) (at 8j again past the last tile)
             #pragma unroll
@@ -231,7 +236,7 @@ ${a_words("a", "s16", src, base, stride)}\
             for (int j = 0; j < BK / 8; ++j) {
                 // the row's padding past HD is never staged: read as zero
                 const __local ushort *c = ${bs} + (8 * j + g) * KS + s16 * 16 + 2 * t;
-                const uint b0 = *(const __local uint *)c, b1 = s16 * 16 + 8 < HD ? *(const __local uint *)(c + 8) : 0u;
+                const uint b0 = *(const __local uint *)c, b1 = s16 * 16 + 8 < ${cols} ? *(const __local uint *)(c + 8) : 0u;
                 mma16(${out}[j], ${a}[0], ${a}[1], ${a}[2], ${a}[3], b0, b1);
             }
 #endif

@@ -481,14 +481,19 @@ BWD = {
 #   af  how the 16-bit products fetch the warps' A operands: 1 once, held in registers; 2 from
 #       global memory at each step (L1-cached: fewer registers, what hd 256 needs);
 #   cs  dkv only, 1 or 2: the group computes 1/cs of dK's and dV's columns (cs groups per key block,
-#       each computing S and dP again), cs·8 dividing hd.
+#       each computing S and dP again), cs·8 dividing hd;
+#   sx  dkv only, 1 or 2: the warps computing S and dP for 16 keys; 2 (with cs 2, nw even, 32 dividing
+#       hd): the column halves are the two warps of a pair in one group, each computing S and dP over
+#       its half of the columns and adding its pair's partial sums through local memory (8·nw keys a
+#       group).
 # Local memory: as the forward's, but with the portable products no quad reductions (256·nw bytes
-# fewer); dkv adds 8·bk bytes (the block's lse and D).
+# fewer); dkv adds 8·bk bytes (the block's lse and D), and with sx 2 64·nw·bk (the partial sums).
 
 def _bwd_mma_local_bytes(pass_):
     def local_bytes(p, sc):
         quads = 256 * p["nw"] if sc["product"] == "fma" else 0
-        return _mma_local_bytes(p, sc) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
+        return (_mma_local_bytes(p, sc) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
+                + 64 * p["nw"] * p["bk"] * (p.get("sx", 1) - 1))
 
     return local_bytes
 
@@ -507,6 +512,7 @@ def _bwd_mma_heuristic(pass_):
             p = {"nw": 8 if big else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
         if pass_ == "dkv":
             p["cs"] = 2 if big and dev.type & cl.device_type.GPU else 1
+            p["sx"] = 1
         while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
             p["bk"] //= 2
         return p
@@ -516,7 +522,10 @@ def _bwd_mma_heuristic(pass_):
 
 def _bwd_mma_rules(p, sc):
     return ((p["bk"] % 16 == 0, "bk must be a multiple of 16"), (p["af"] in (1, 2), "af must be 1 or 2"),
-            (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"))
+            (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"),
+            (p.get("sx", 1) in (1, 2), "sx must be 1 or 2"),
+            (p.get("sx", 1) == 1 or (p["cs"] == 2 and p["nw"] % 2 == 0 and sc["hd"] % 32 == 0),
+             "sx 2 needs cs 2, an even nw and 32 dividing hd"))
 
 
 def _intel_dq_workaround(dev, sc):
@@ -528,11 +537,11 @@ def _intel_dq_workaround(dev, sc):
 
 
 BWD_MMA = {pass_: Spec(
-    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk", "af") + (("cs",) if pass_ == "dkv" else ()),
-    lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], "af": [1, 2], **({"cs": [1, 2]} if pass_ == "dkv" else {})},
+    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk", "af") + (("cs", "sx") if pass_ == "dkv" else ()),
+    lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], "af": [1, 2], **({"cs": [1, 2], "sx": [1, 2]} if pass_ == "dkv" else {})},
     _bwd_mma_heuristic(pass_), rules=_bwd_mma_rules,
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
-    render=lambda p, sc, pass_=pass_: {**PLAIN, "cs": 1, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
+    render=lambda p, sc, pass_=pass_: {**PLAIN, "cs": 1, "sx": 1, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
                                        "pass_": pass_},
     options=_intel_dq_workaround if pass_ == "dq" else None,
     doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
@@ -616,7 +625,8 @@ def _bwd_mma_plan(queue, call, product):
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0],
                np.float32(call.scale)] + call.variant_args()
     return _BwdMmaPlan(q_knl["attn_bwd_dq"], (call.nh, call.nseq, -(-call.T // (16 * pq["nw"]))),
-                       kv_knl["attn_bwd_dkv"], (call.nkv * pk["cs"], call.nseq, -(-call.T // (16 * pk["nw"]))),
+                       kv_knl["attn_bwd_dkv"], (call.nkv * (1 if pk["sx"] == 2 else pk["cs"]), call.nseq,
+                                                -(-call.T // (16 * pk["nw"] // pk["sx"]))),
                        scalars)
 
 

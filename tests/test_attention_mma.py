@@ -147,10 +147,12 @@ def test_backward_variants(queue, product, kw):
     _check_bwd(queue, product, 100, 4, 2, 32, BF16, **kw)
 
 
-@pytest.mark.parametrize("tiles", [{"nw": 3, "bk": 48, "af": 1}, {"nw": 1, "bk": 16, "af": 2}])
-def test_backward_tiles(queue, product, tiles):
-    """dkv's column split (cs = 2) with each; af = 2 reads the A operands at each step."""
-    _check_bwd(queue, product, 90, 2, 1, 48, BF16, tiles=tiles, dkv={"cs": 2}, window=45)
+@pytest.mark.parametrize("tiles, sx, hd", [({"nw": 3, "bk": 48, "af": 1}, 1, 48), ({"nw": 1, "bk": 16, "af": 2}, 1, 48),
+                                           ({"nw": 2, "bk": 32, "af": 1}, 2, 64)])
+def test_backward_tiles(queue, product, tiles, sx, hd):
+    """dkv's column split (cs = 2) across groups (sx = 1) or across the warps of a pair (sx = 2);
+    af = 2 reads the A operands at each step."""
+    _check_bwd(queue, product, 90, 2, 1, hd, BF16, tiles=tiles, dkv={"cs": 2, "sx": sx}, window=45)
 
 
 @pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],

@@ -344,8 +344,10 @@ def run_attention_bwd_mma(queue):
     with mma.using("fma"):
         for hd, dtype, kw in ((8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
                               (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
-                              (16, "bfloat16", dict(window=34))):
-            for spec, tiles in (("attention_bwd_mma_dq", {}), ("attention_bwd_mma_dkv", {"cs": 2 if hd == 16 else 1})):
+                              (32, "bfloat16", dict(window=34))):
+            # at hd 32 dkv's column halves are the two warps of a pair (sx), summing S and dP through local memory
+            for spec, tiles in (("attention_bwd_mma_dq", {}),
+                                ("attention_bwd_mma_dkv", {"cs": 2, "sx": 2} if hd == 32 else {"cs": 1, "sx": 1})):
                 tuning.override(spec, {"hd": hd, "st": "float" if dtype == "float32" else "bf16", "product": "fma"},
                                 dict(tiles, nw=2, bk=16, af=1))
             q, k, v, do = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
