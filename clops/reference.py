@@ -77,26 +77,39 @@ def _gain(w, gemma):
     return 1.0 + w if gemma else w
 
 
+def _inv_rms(x, eps):
+    """1/sqrt(mean(x²) + eps) over the last axis, the squares taken of x·2^−e (e the exponent of the row's
+    largest |x|; powers of two are exact), so that no row of float64 leaves float64's range in the squares
+    (#19: a float32 row's squares leave float32's; the reference must not lose them either)."""
+    m = np.max(np.abs(x), axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1])
+    sc = np.ldexp(1.0, -np.frexp(np.where(np.isfinite(m) & (m > 0), m, 1.0))[1])  # 2^−e, 1 for rows of 0
+    xs = x * sc[..., None]
+    with np.errstate(over="ignore", divide="ignore"):
+        z = eps * sc * sc  # inf only where the mean square is negligible beside eps
+        return np.where(np.isinf(z), 1.0 / np.sqrt(eps), sc / np.sqrt(np.mean(xs * xs, axis=-1) + z))
+
+
 def rms_norm(x, w, *, eps=1e-6, gemma=False):
     """(y, inv): y = x·inv·w_eff over the last axis, inv = 1/sqrt(mean(x²) + eps)."""
     (x,) = _f64(x)
-    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    inv = _inv_rms(x, eps)
     return x * inv[..., None] * _gain(w, gemma), inv
 
 
 def rms_norm_bwd(x, w, inv, dy, *, gemma=False):
-    """dx = inv·w·dy − x·inv³/d·Σ dy·w·x."""
+    """dx = inv·w·dy − x·inv³/d·Σ dy·w·x, as inv·(w·dy − x̂/d·Σ dy·w·x̂) with x̂ = x·inv (no x², no inv³)."""
     x, inv, dy = _f64(x, inv, dy)
     we = _gain(w, gemma)
     d = x.shape[-1]
-    coef = np.sum(dy * we * x, axis=-1) / d * inv**3
-    return inv[..., None] * we * dy - x * coef[..., None]
+    xh = x * inv[..., None]
+    coef = np.sum(dy * we * xh, axis=-1) / d
+    return inv[..., None] * (we * dy - xh * coef[..., None])
 
 
 def rms_norm_dw(x, inv, dy):
-    """Σ_rows dy·x·inv."""
+    """Σ_rows dy·x·inv (as dy·(x·inv))."""
     x, inv, dy = _f64(x, inv, dy)
-    return np.sum((dy * x * inv[..., None]).reshape(-1, x.shape[-1]), axis=0)
+    return np.sum((dy * (x * inv[..., None])).reshape(-1, x.shape[-1]), axis=0)
 
 
 def add_rms_norm(a, b, w, *, eps=1e-6, gemma=False):
