@@ -34,6 +34,15 @@
 // column sum over the partial rows (clops.norm.column_sum) finishes dw:
 // deterministic, no atomics.
 //
+// Range (#19): units outside float32's square range take the barrier-free
+// slow paths of rms_norm.cl.mako (see its Range comment), the others run the
+// formulas below with their bits of before. Forward (common.rescale true):
+// each work-item reads the unit again (common.scaled_sumsq), its vectors
+// become x·2^−e and inv 2^e/rms, and the formulas below give y. Backward
+// (common.bwd_scaled): x̂ = x·inv in place of x in the work-item's vectors
+// before the unit's sum, which then is Σ g·w·x̂ (1/rms again from x where inv
+// is not a normal float).
+//
 // The kernels carry vec_type_hint(vec): they are written in vectors already.
 // (Intel's CPU runtime otherwise vectorises across work-items, into gathers
 // and scatters: its float32 backward ran 3× slower.)
@@ -76,6 +85,7 @@ ${common.storage(st, wst)}\
 #define CH ${ch}
 typedef ${idx} idx_t;
 typedef ${vtype(v)} vec;
+typedef ${"int" if v == 1 else "int%d" % v} ivec;  // ldexp's exponents of a vec
 % if half:
 typedef ${vtype(rv)} rvec;
 % endif
@@ -156,6 +166,27 @@ def cos_sin(vw):
 % endif
 </%def>
 
+## The backward's stores of dx (`dx`: its formula of the vectors w{h}, g{h}[k], x{h}[k], h the
+## half a or b) and its terms of the gain gradient's sums (`term`, of g{h}[k] and x{h}[k]).
+<%def name="dx_step(dx, term)">
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                const uint s = t + k * TPU;
+                if (ok && LIVE(k, s)) {
+                    const vec wa = ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset;
+                    ${storev(st, v, dx.format(h="a"), "dx", "base + FIRST(k, s)")};
+                }
+                acca[k] += ${term.format(h="a")};
+% if half:
+                if (ok && PAIR(k, s)) {
+                    const vec wb = ${loadv(wst, v, "w", "s + NP")} + w_offset;
+                    ${storev(st, v, dx.format(h="b"), "dx", "base + s + NP")};
+                }
+                accb[k] += ${term.format(h="b")};
+% endif
+            }
+</%def>
+
 <% c, sn = cos_sin(v) %>
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1), vec_type_hint(vec)))
 void qk_norm_rope_fwd(__global ${vptr(st, v)} *restrict y, __global float *restrict inv_out,
@@ -194,8 +225,25 @@ void qk_norm_rope_fwd(__global ${vptr(st, v)} *restrict y, __global float *restr
     ${unit_sum("total", "ss", "scratch", tpu)}
     if (!ok)
         return;
+    const float q = total / HD + eps;
     // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
-    const float inv = 1.0f / sqrt(total / HD + eps);
+    float inv = 1.0f / sqrt(q), inv_unit = inv;
+    if (${common.rescale("q")}) {
+        // Slow path (see common.rescale), no barriers: this work-item reads the unit again.
+        ${common.scaled_sumsq("r", lambda j: loadv(st, v, "x", "base + " + j), "HV", v)}
+        if (r_ok) {
+            ${common.scaled_inv("r", "HD", "eps")}
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                a[k] = ldexp(a[k], (ivec)(-r_se));
+% if half:
+                b[k] = ldexp(b[k], (ivec)(-r_se));
+% endif
+            }
+            inv = r_ivs;
+            inv_unit = ldexp(r_ivs, -r_se);
+        }
+    }
     #pragma unroll
     for (uint k = 0; k < CH; ++k) {
         const uint s = t + k * TPU;
@@ -215,7 +263,7 @@ void qk_norm_rope_fwd(__global ${vptr(st, v)} *restrict y, __global float *restr
 % endif
     }
     if (t == 0)
-        inv_out[${at("inv_out", "unit")}] = inv;
+        inv_out[${at("inv_out", "unit")}] = inv_unit;
 }
 
 // g = R⁻¹·dy; dx = inv·w·g − x·inv³/HD·Σ g·w·x (written); partial[g] = Σ_units g·x·inv.
@@ -263,6 +311,23 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
 % endif
         }
         const float iv = ok ? inv[${at("inv", "unit")}] : 0.0f;
+        // A unit whose inv is outside [2^−32, 2^32] (common.bwd_scaled) takes x̂ = x·inv = (x·2^−se)·ivs
+        // in place of x (rms_norm.cl.mako's bwd_scale), so its sum below is Σ g·w·x̂. No barriers.
+        const bool scaled = ok && ${common.bwd_scaled("iv")};
+        int se = 0;
+        float ivs = iv;
+        if (scaled) {
+            ${common.bwd_inv("u", "iv", lambda j: loadv(st, v, "x", "base + " + j), "HV", v, "HD")}
+            se = u_se;
+            ivs = u_ivs;
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                xa[k] = ldexp(xa[k], (ivec)(-se)) * ivs;
+% if half:
+                xb[k] = ldexp(xb[k], (ivec)(-se)) * ivs;
+% endif
+            }
+        }
 % if half:
         ${position()}
         ${table(v)}
@@ -292,22 +357,13 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
         flip ^= WG;
 % endif
         ${unit_sum("total", "s_", "sums" if tpu > 1 and not tree else "scratch", tpu)}
-        const float coef = total / HD * iv * iv * iv;
-        #pragma unroll
-        for (uint k = 0; k < CH; ++k) {
-            const uint s = t + k * TPU;
-            if (ok && LIVE(k, s)) {
-                const vec wa = ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset;
-                ${storev(st, v, "iv * wa * ga[k] - xa[k] * coef", "dx", "base + FIRST(k, s)")};
-            }
-            acca[k] += ga[k] * xa[k] * iv;
-% if half:
-            if (ok && PAIR(k, s)) {
-                const vec wb = ${loadv(wst, v, "w", "s + NP")} + w_offset;
-                ${storev(st, v, "iv * wb * gb[k] - xb[k] * coef", "dx", "base + s + NP")};
-            }
-            accb[k] += gb[k] * xb[k] * iv;
-% endif
+        if (scaled) {
+            // dx = 2^−se·ivs·(w·g − x̂·c), c = Σ g·w·x̂ / HD (inv·w·g − x·inv³/HD·Σ g·w·x); dw's terms g·x̂.
+            const float c = total / HD;
+            ${dx_step("ldexp(ivs * (w{h} * g{h}[k] - x{h}[k] * c), (ivec)(-se))", "g{h}[k] * x{h}[k]")}
+        } else {
+            const float coef = total / HD * iv * iv * iv;
+            ${dx_step("iv * w{h} * g{h}[k] - x{h}[k] * coef", "g{h}[k] * x{h}[k] * iv")}
         }
     }
     // The segments' sums: each segment's vectors into buf (every vector of a unit is one slot's),

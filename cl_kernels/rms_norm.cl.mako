@@ -24,6 +24,19 @@
 // partial[g, :]. dx of each row is the same formula, written in the same
 // pass (plus ds for add_rms_norm_bwd). column_sum (kind "dw") finishes dw.
 //
+// Range (#19): the row kernels test each row once (common.rescale on the
+// forward's total/d + eps, common.bwd_scaled on the backward's inv); the rows
+// outside float32's square range take a barrier-free slow path, the others
+// run the plain formulas with their bits of before. Forward: each work-item
+// of the row reads it again (common.scaled_sumsq: its largest exponent e, then
+// Σ (x·2^−e)²) and y = (x·2^−e)·ivs·(w + w_offset), inv = 2^−e·ivs rounded
+// (subnormal where rms > 2^126, inf where rms < 2^−128); add_rms_norm_fwd's
+// work-item 0 does the row alone (s and y may be a or b). Backward (bwd_scale):
+// x̂ = x·inv in place of x, 1/rms again from x where inv is not normal. The
+// slow paths read the row from memory, not the cached vectors (dead there, so
+// they add no registers to the plain path's); the one-pass backward leaves
+// such rows to a second walk of its rows after the first.
+//
 // Gain gradient (kind "dw"), two deterministic stages, no atomics:
 //   rms_norm_dw_partial: group (c, b) sums dy·x·inv over rows [b·RB, b·RB+RB)
 //     for the WG·VW columns of block c (consecutive work-items, consecutive
@@ -45,15 +58,28 @@ ${common.storage(st, wst, dwst)}\
 #define VW ${vw}
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec;
+typedef ${"int" if vw == 1 else "int%d" % vw} ivec;  // ldexp's exponents of a vec
 
 <%!
 def lanes_sum(vw, v):
     """The sum of the lanes of vector variable v."""
     return v if vw == 1 else " + ".join("%s.s%x" % (v, l) for l in range(vw))
+
+def scaled_dx(vw, p, xv, gv):
+    """dx of a row in the scaled form (bwd_scale), from the work-item's vectors x and g = dy·(w + w_offset);
+    with VW = 1, d = 1 takes the exact form eps·inv² for 1 − x̂², as the plain formulas do."""
+    one = "dv == 1 ? %s * (ldexp(eps, -2 * %s_se) * %s_ivs * %s_ivs) : " % (gv, p, p, p) if vw == 1 else ""
+    return "ldexp(%s_ivs * (%s%s - (ldexp(%s, (ivec)(-%s_se)) * %s_ivs) * %s_c), (ivec)(-%s_se))" % (p, one, gv, xv, p, p, p, p)
 %>
 
 % if kind in ("rows", "rows_dw"):
-<% tpr = wg // rpg %>
+<%
+    tpr = wg // rpg
+    # The one-pass backward's slow loop over the gains and sums of its work-item, unrolled: rolled, its
+    # indexing would keep those arrays out of registers for every row (clang 15's NVPTX then put them on the
+    # stack).
+    unroll_slow = "#pragma unroll" if cache else ""
+%>\
 #define RPG ${rpg}
 #define TPR ${tpr}
 #define CH ${ch}
@@ -68,6 +94,17 @@ def lanes_sum(vw, v):
     const bool ok = row < n;
     const idx_t base = row * dv;
     __local float *row_scratch = scratch + seg * TPR;
+</%def>
+
+## The backward's scaled form of a row whose inv (`iv`) is outside [2^−32, 2^32]
+## (common.bwd_scaled), barrier-free: x̂ = x·inv = (x·2^−se)·ivs (common.bwd_inv),
+## `${p}_c` = Σ g·x̂ / d over the row (each work-item reads it all), g = dy·(w +
+## w_offset), from `xload(j)`, `dyload(j)` and `wload(j)`. dx = 2^−se·ivs·(g −
+## x̂·c), which is inv·g − x·inv³/d·Σ g·x, and dw's terms are dy·x̂.
+<%def name="bwd_scale(p, iv, xload, dyload, wload)">
+    ${common.bwd_inv(p, iv, xload, "dv", vw, "d")}
+    ${common.kahan_sum(p + "_sum", lambda j: "(%s * (%s + w_offset)) * (ldexp(%s, (ivec)(-%s_se)) * %s_ivs)" % (dyload(j), wload(j), xload(j), p, p), "dv", vw)}
+    const float ${p}_c = ${p}_sum / d;
 </%def>
 % if kind == "rows":
 
@@ -92,10 +129,32 @@ void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict
         ss += ${lanes_sum(vw, "sq")};
     }
     ${common.group_sum("total", "ss", "row_scratch", "t", tpr)}
+    const float q = total / d + eps;
     // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
-    const float inv = 1.0f / sqrt(total / d + eps);
+    const float inv = 1.0f / sqrt(q);
     if (!ok)
         return;
+    if (${common.rescale("q")}) {
+        // Slow path (see common.rescale): each work-item reads the row again, and its vectors from memory
+        // (the cached ones are dead here: no registers beyond the plain path's). y = (x·2^−se)·ivs·(w +
+        // w_offset); a row whose largest |x| is 0 or inf keeps the plain formula (se = 0, ivs = inv).
+        ${common.scaled_sumsq("r", lambda j: loadv(st, vw, "x", "base + " + j), "dv", vw)}
+        int se = 0;
+        float ivs = inv;
+        if (r_ok) {
+            ${common.scaled_inv("r", "d", "eps")}
+            se = r_se;
+            ivs = r_ivs;
+        }
+        for (uint k = 0; k < CH; ++k) {
+            const uint j = t + k * TPR;
+            if (j < dv)
+                ${storev(st, vw, "ldexp(%s, (ivec)(-se)) * ivs * (%s + w_offset)" % (loadv(st, vw, "x", "base + j"), loadv(wst, vw, "w", "j")), "y", "base + j")};
+        }
+        if (t == 0)
+            inv_out[${at("inv_out", "row")}] = ldexp(ivs, -se);
+        return;
+    }
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
@@ -129,10 +188,39 @@ void add_rms_norm_fwd(__global ${vptr(st, vw)} *restrict s_out, __global ${vptr(
         const vec sq = v * v;
         ss += ${lanes_sum(vw, "sq")};
     }
-    ${common.group_sum("total", "ss", "row_scratch", "t", tpr)}
-    const float inv = 1.0f / sqrt(total / d + eps);
+    // The sum's last barrier also fences global memory: the row's reads of a and b above come
+    // before the slow path's writes of s and y there (in place) by another work-item.
+    ${common.group_sum("total", "ss", "row_scratch", "t", tpr, "CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE")}
+    const float q = total / d + eps;
+    const float inv = 1.0f / sqrt(q);
     if (!ok)
         return;
+    if (${common.rescale("q")}) {
+        // Slow path (see common.rescale), by work-item 0 of the row alone: s and y may be a or b,
+        // so no other work-item may write the row while it is read again.
+        if (t != 0)
+            return;
+<% ab = lambda j: "(%s + %s)" % (loadv(st, vw, "a", "base + " + j), loadv(st, vw, "b", "base + " + j)) %>\
+        ${common.scaled_sumsq("r", ab, "dv", vw)}
+        if (r_ok) {
+            ${common.scaled_inv("r", "d", "eps")}
+            for (uint j = 0; j < dv; ++j) {
+                const vec v = ${ab("j")};
+                ${storev(st, vw, "v", "s_out", "base + j")};
+                ${storev(st, vw, "ldexp(v, (ivec)(-r_se)) * r_ivs * (%s + w_offset)" % loadv(wst, vw, "w", "j"), "y", "base + j")};
+            }
+            inv_out[${at("inv_out", "row")}] = ldexp(r_ivs, -r_se);
+            return;
+        }
+        // A row whose largest |a + b| is 0 or inf: the plain formulas, for the whole row.
+        for (uint j = 0; j < dv; ++j) {
+            const vec v = ${ab("j")};
+            ${storev(st, vw, "v", "s_out", "base + j")};
+            ${storev(st, vw, "v * inv * (%s + w_offset)" % loadv(wst, vw, "w", "j"), "y", "base + j")};
+        }
+        inv_out[${at("inv_out", "row")}] = inv;
+        return;
+    }
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv) {
@@ -173,6 +261,16 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
     if (!ok)
         return;
     const float iv = inv[${at("inv", "row")}];
+    if (${common.bwd_scaled("iv")}) {
+        // Slow path (bwd_scale), the row's vectors read again (the cached ones are dead here).
+        ${bwd_scale("r", "iv", lambda j: loadv(st, vw, "x", "base + " + j), lambda j: loadv(st, vw, "dy", "base + " + j), lambda j: loadv(wst, vw, "w", j))}
+        for (uint k = 0; k < CH; ++k) {
+            const uint j = t + k * TPR;
+            if (j < dv)
+                ${storev(st, vw, scaled_dx(vw, "r", loadv(st, vw, "x", "base + j"), "(%s * (%s + w_offset))" % (loadv(st, vw, "dy", "base + j"), loadv(wst, vw, "w", "j"))), "dx", "base + j")};
+        }
+        return;
+    }
 % if vw == 1:
     if (dv == 1) {
         // One column: inv·g·(1 − x²·inv²) cancels catastrophically in float; 1 − x²·inv² is eps·inv².
@@ -250,9 +348,11 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
         ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
         const float iv = ok ? inv[${at("inv", "row")}] : 0.0f;
         const float coef = total / d * iv * iv * iv;
+        // Rows whose inv is outside [2^−32, 2^32] (common.bwd_scaled) are the second walk's, below.
+        const bool plain = ok && !${common.bwd_scaled("iv")};
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPR;
-            if (ok && j < dv) {
+            if (plain && j < dv) {
                 const vec xv = ${"xs[k]" if cache else loadv(st, vw, "x", "base + j")};
                 const vec dyv = ${"dys[k]" if cache else loadv(st, vw, "dy", "base + j")};
 <%
@@ -264,6 +364,29 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
 %>\
                 ${storev(st, vw, val, "dx", "base + j")};
                 acc[k] += dyv * xv * iv;
+            }
+        }
+    }
+    // The second walk (#19): dx and the dw terms of the rows the first one left (rows outside float32's
+    // square range; normally none, at one load of inv a row), barrier-free (bwd_scale: each of the row's
+    // work-items reads it again), after the other rows' terms (a fixed order still). Here, not in the first
+    // walk, so that the slow path's registers add nothing to the first walk's.
+    for (idx_t r0 = first; r0 < last; r0 += RPG) {
+        const idx_t row = r0 + seg;
+        const float iv = row < last ? inv[${at("inv", "row")}] : 1.0f;
+        if (${common.bwd_scaled("iv")}) {
+            const idx_t base = row * dv;
+            ${bwd_scale("r", "iv", lambda j: loadv(st, vw, "x", "base + " + j), lambda j: loadv(st, vw, "dy", "base + " + j), lambda j: loadv(wst, vw, "w", j))}
+            ${unroll_slow}
+            for (uint k = 0; k < CH; ++k) {
+                const uint j = t + k * TPR;
+                if (j < dv) {
+                    const vec xv = ${loadv(st, vw, "x", "base + j")};
+                    const vec dyv = ${loadv(st, vw, "dy", "base + j")};
+<% val = scaled_dx(vw, "r", "xv", "(dyv * we[k])") %>\
+                    ${storev(st, vw, "%s + %s" % (loadv(st, vw, "ds", "base + j"), val) if resid else val, "dx", "base + j")};
+                    acc[k] += dyv * (ldexp(xv, (ivec)(-r_se)) * r_ivs);
+                }
             }
         }
     }
@@ -313,8 +436,17 @@ void rms_norm_dw_partial(__global vec *restrict partial, __global const ${vptr(s
     const idx_t r0 = (idx_t)get_group_id(1) * RB;
     const idx_t r1 = min(n, r0 + RB);
     vec acc = (vec)(0.0f);
-    for (idx_t r = r0; r < r1; ++r)
-        acc += ${loadv(st, vw, "dy", "r * dv + j")} * ${loadv(st, vw, "x", "r * dv + j")} * inv[${at("inv", "r")}];
+    for (idx_t r = r0; r < r1; ++r) {
+        const float iv = inv[${at("inv", "r")}];
+        if (${common.bwd_scaled("iv")}) {
+            // dy·x·inv as dy·x̂, x̂ = x·inv (see bwd_scale); where inv is not normal, 1/rms again from
+            // the row (this work-item reads it all: slow, for such rows only).
+            ${common.bwd_inv("r", "iv", lambda i: loadv(st, vw, "x", "r * dv + " + i), "dv", vw, "(float)(dv * VW)")}
+            acc += ${loadv(st, vw, "dy", "r * dv + j")} * (ldexp(${loadv(st, vw, "x", "r * dv + j")}, (ivec)(-r_se)) * r_ivs);
+            continue;
+        }
+        acc += ${loadv(st, vw, "dy", "r * dv + j")} * ${loadv(st, vw, "x", "r * dv + j")} * iv;
+    }
     partial[${at("partial", "(idx_t)get_group_id(1) * dv + j")}] = acc;
 }
 

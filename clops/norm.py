@@ -12,6 +12,14 @@ The gain gradient ``dw = Σ_rows dy·x·inv`` comes from ``rms_norm_dw`` alone (
 columns' sums in registers, then a column sum of the groups' partial rows — fixed orders, no
 atomics, the same bits on every run.
 
+Range: any finite row is normalised right, also where ``x²`` leaves float32. The kernels sum ``x²``
+in float32 and test ``mean + eps`` once per row; rows where it overflowed or is below 2^−100 (with
+eps < 2^−100) re-read the row and sum ``(x·2^−e)²``, e the exponent of the row's largest ``|x|``
+(``rescale`` in ``common.cl.mako`` says why those bounds); the other rows keep their bits. ``inv``
+is 1/rms rounded to float32: subnormal where rms > 2^126, inf where rms < 2^−128 (eps = 0). The
+backwards read ``x·inv`` in place of ``x`` for rows whose ``inv`` is outside [2^−32, 2^32], and take
+1/rms from ``x`` again where ``inv`` is not a normal float (``add_rms_norm_bwd``: from ``s``).
+
 Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, float16 or
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.

@@ -17,6 +17,11 @@ is found on the device by a binary search over the offsets (nothing is read back
 such arrays without a buffer); ``window`` and the sequences are then not used (the sequences are
 still checked). Outputs must not overlap inputs.
 
+Range: as :mod:`clops.norm`'s — any finite unit is normalised right (units whose squares leave
+float32 take a slow path that reads the unit again, scaled by a power of two; the others keep their
+bits), ``inv`` is 1/rms rounded to float32 (subnormal or inf at the far ends), and the backward takes
+``x·inv`` for units whose ``inv`` is outside [2^−32, 2^32].
+
 Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, float16 or
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype, and ``dw`` takes ``w``'s (summed in float32, rounded once); ``inv`` and
