@@ -135,6 +135,48 @@ def run_norm(queue):
         _expect("add_rms_norm_bwd dw", dw2, wdw)
         if d > 1 and n < 100:
             _norm_narrow(queue, x, w, dy)
+        if d == 40 and rows is not None:
+            _norm_out_of_range(queue, w, dy)
+
+
+def _extreme(shape, seed):
+    """Rows (first axis) whose squares leave float32 (1e30, 1e-30, a flat 2e38: inv subnormal) and a normal one."""
+    from clops.reference import rnd
+
+    u = rnd(shape, seed)
+    scales = np.resize([1e30, 1.0, 1e-30, 2e38], shape[0]).reshape((-1,) + (1,) * (len(shape) - 1))
+    x = (np.sign(u) * (1 + np.abs(u)) / 2 * scales).astype(np.float32)
+    x[3] = np.sign(x[3]) * np.float32(2e38)
+    return x
+
+
+def _norm_out_of_range(queue, w, dy):
+    """The row kernels' slow paths (#19): rows outside float32's square range, eps = 0; add_rms_norm in place."""
+    import pyopencl.array as cla
+
+    import clops
+    from clops import reference as ref
+
+    x = _extreme(dy.shape, 14)
+    x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
+    y, inv = clops.rms_norm(queue, x_, w_, eps=0.0)
+    wy, winv = ref.rms_norm(x, w, eps=0.0)
+    _expect("rms_norm y out of range", y, wy)
+    wdx, wdw = ref.rms_norm_bwd(x, w, winv, dy), ref.rms_norm_dw(x, winv, dy)
+    _expect("rms_norm_bwd out of range", clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0), wdx)
+    _expect("rms_norm_dw out of range", clops.rms_norm_dw(queue, x_, inv, dy_), wdw)
+    dx, dw = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0, want_dw=True)
+    _expect("rms_norm_bwd one pass dx out of range", dx, wdx)
+    _expect("rms_norm_bwd one pass dw out of range", dw, wdw)
+    a_ = cla.to_device(queue, x)
+    s, y, inv = clops.add_rms_norm(queue, a_, dy_, w_, eps=0.0, s=a_)  # s in place of a
+    ws, wy, winv = ref.add_rms_norm(x, dy, w, eps=0.0)
+    _expect("add_rms_norm y out of range (in place)", y, wy)
+    wdx, wdw = ref.add_rms_norm_bwd(s.get(), w, winv, dy, x)
+    ds_ = cla.to_device(queue, x)
+    dx, dw = clops.add_rms_norm_bwd(queue, s, w_, inv, dy_, ds_, eps=0.0, dx=ds_)  # dx in place of ds
+    _expect("add_rms_norm_bwd dx out of range", dx, wdx)
+    _expect("add_rms_norm_bwd dw out of range", dw, wdw)
 
 
 def _narrow_dtypes():
@@ -190,6 +232,15 @@ def run_qk_norm_rope(queue):
             _expect("qk_norm_rope_bwd dw", dw, wdw)
         table = ref.rope_table(window, 4)
         rope_ = cla.to_device(queue, table)
+        xe = _extreme((n, heads, hd), 24)  # units outside float32's square range (#19), eps = 0: the slow paths
+        xe_ = cla.to_device(queue, xe)
+        y, inv = clops.qk_norm_rope(queue, xe_, w_, rope_, eps=0.0)
+        wy, winv = ref.qk_norm_rope(xe, w, table, eps=0.0)
+        _expect("qk_norm_rope y out of range", y, wy)
+        wdx, wdw = ref.qk_norm_rope_bwd(xe, w, winv, table, dy)
+        dx, dw = clops.qk_norm_rope_bwd(queue, xe_, w_, inv, rope_, dy_)
+        _expect("qk_norm_rope_bwd dx out of range", dx, wdx)
+        _expect("qk_norm_rope_bwd dw out of range", dw, wdw)
         cu = np.array([0, 2, 2, 3, n], np.int32)  # varlen: lengths 2, 0, 1, 3
         y, inv = clops.qk_norm_rope(queue, x_, w_, rope_, cu_seqlens=cu)
         _expect("qk_norm_rope y varlen", y, ref.qk_norm_rope(x, w, table, cu_seqlens=cu)[0])

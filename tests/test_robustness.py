@@ -1,6 +1,7 @@
 """Numerical robustness: RMSNorm rows of zeros and of large magnitude, attention logits of
 magnitude 1e3 and 1e4, and a NaN that stays in the outputs depending on its row and does
 not spread to the others."""
+import ml_dtypes
 import numpy as np
 import pyopencl.array as cla
 import pytest
@@ -10,7 +11,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.attn import bwd_heuristic
 from clops.reference import rel_err, rnd
-from helpers import to_device
+from helpers import assert_storage_close, to_device
 
 
 def _get(*arrays):
@@ -48,6 +49,123 @@ def test_rms_norm_large_and_small_rows(queue, magnitude):
     assert rel_err(y.get(), wy) <= 1e-6 and rel_err(inv.get(), winv) <= 1e-6
     assert rel_err(clops.rms_norm_bwd(queue, x_, w_, inv, dy_).get(), ref.rms_norm_bwd(x, w, winv, dy)) <= 1e-5
     assert rel_err(clops.rms_norm_dw(queue, x_, inv, dy_).get(), ref.rms_norm_dw(x, winv, dy)) <= 1e-5
+
+
+# ---- rows outside float32's square range (#19) ----
+# x² overflows float32 from |x| ≈ 1.8e19 and is subnormal below |x| ≈ 1e-19. Rows at 1e30 and 1e-30
+# (ramped: magnitudes over three decades), one flat near float32's top (rms > 2^126: inv subnormal,
+# so the backward takes 1/rms again from x), one flat at 1e-40 (rms < 2^−128: inv = inf, dx past
+# float32; y and dw still right) and normal rows, in one call, eps = 0. Tolerances per row (rel_err's
+# floor would hide the tiny ones): float32 1e-6 forward, 1e-5 gradients; bfloat16 (float32's range)
+# the storage rule at the row's scale.
+SCALES = [1.0, 1e30, 3.0, 1e-30, 2e38, 0.1, 1e-40]
+FLAT = {2e38, 1e-40}
+INF_INV = SCALES.index(1e-40)
+RANGE_DTYPES = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)]
+
+
+def _extreme_rows(shape, seed, dtype):
+    """[len(SCALES), ...] rows (the first axis), magnitudes in [ramp/2, ramp]·scale, signs random."""
+    u = rnd(shape, seed).astype(np.float64)
+    ramp = np.geomspace(1e-3, 1.0, shape[-1])
+    x = np.sign(u) * (1 + np.abs(u)) / 2 * np.stack([np.ones(shape[1:]) if s in FLAT else np.broadcast_to(ramp, shape[1:])
+                                                     for s in SCALES])
+    return (x * np.reshape(SCALES, (-1,) + (1,) * (len(shape) - 1))).astype(np.float32).astype(dtype)
+
+
+def _rows_close(name, got, want, dtype, tol, rows=None):
+    """Each row (last axis; units flattened) within tol (float32) or the storage rule (16-bit)."""
+    got = np.asarray(got.get() if hasattr(got, "get") else got)
+    got, want = got.reshape(-1, got.shape[-1]), np.asarray(want, np.float64).reshape(-1, got.shape[-1])
+    keep = np.ones(len(got), bool) if rows is None else rows
+    if got.dtype == np.float32:
+        errs = np.linalg.norm(got[keep].astype(np.float64) - want[keep], axis=1) / np.linalg.norm(want[keep], axis=1)
+        assert np.all(errs <= tol), f"{name}: relative errors per row {errs}"
+    else:
+        assert_storage_close(name, got[keep], want[keep], dtype, tol)
+
+
+def _inv_close(got, want, inf_rows):
+    """inv: within 1e-6 of 1/rms, and inf where 1/rms is past float32."""
+    got, want = got.get().ravel().astype(np.float64), want.ravel()
+    assert np.all(np.isinf(got[inf_rows])), got
+    assert np.all(np.abs(got[~inf_rows] / want[~inf_rows] - 1) <= 1e-6), got / want - 1
+
+
+@pytest.mark.parametrize("dtype", RANGE_DTYPES, ids=str)
+@pytest.mark.parametrize("d,rows", [(300, None), (4097, dict(wg=32, vw=1, rpg=1))])  # 4097: read twice
+def test_rms_norm_rows_outside_the_square_range(queue, dtype, d, rows):
+    x, w, dy = _extreme_rows((len(SCALES), d), 25, dtype), rnd(d, 26, 0.5), rnd((len(SCALES), d), 27, 4.0).astype(dtype)
+    x_, w_, dy_ = to_device(queue, x, w, dy)
+    inf_rows = np.arange(len(SCALES)) == INF_INV
+    tuning.override("rms_norm", {"d": d}, rows)
+    try:
+        y, inv = clops.rms_norm(queue, x_, w_, eps=0.0)
+        dx = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0)
+        dx1, dw1 = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0, want_dw=True)
+        dw = clops.rms_norm_dw(queue, x_, inv, dy_)
+    finally:
+        tuning.override("rms_norm", {"d": d}, None)
+    wy, winv = ref.rms_norm(x, w, eps=0.0)
+    _rows_close("y", y, wy, dtype, 1e-6)
+    _inv_close(inv, winv, inf_rows)
+    wdx, wdw = ref.rms_norm_bwd(x, w, winv, dy), ref.rms_norm_dw(x, winv, dy)
+    _rows_close("dx", dx, wdx, dtype, 1e-5, ~inf_rows)
+    _rows_close("dx (one pass)", dx1, wdx, dtype, 1e-5, ~inf_rows)
+    assert rel_err(dw.get(), wdw) <= 1e-5 and rel_err(dw1.get(), wdw) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", RANGE_DTYPES, ids=str)
+def test_add_rms_norm_rows_outside_the_square_range(queue, dtype):
+    d = 300
+    a, b = _extreme_rows((len(SCALES), d), 31, dtype), (_extreme_rows((len(SCALES), d), 32, np.float32) / 4).astype(dtype)
+    w, dy, ds = rnd(d, 33, 0.5), rnd((len(SCALES), d), 34, 4.0).astype(dtype), rnd((len(SCALES), d), 35).astype(dtype)
+    a_, b_, w_, dy_, ds_ = to_device(queue, a, b, w, dy, ds)
+    inf_rows = np.arange(len(SCALES)) == INF_INV
+    s, y, inv = clops.add_rms_norm(queue, a_, b_, w_, eps=0.0)
+    dx, dw = clops.add_rms_norm_bwd(queue, s, w_, inv, dy_, ds_, eps=0.0)
+    ws, wy, winv = ref.add_rms_norm(a, b, w, eps=0.0)
+    _rows_close("s", s, ws, dtype, 1e-6)
+    _rows_close("y", y, wy, dtype, 1e-6)
+    _inv_close(inv, winv, inf_rows)
+    # The backward's x is the stored s, its inv the device's (of the float32 sum), except where that is
+    # not a normal float (inf, subnormal): the kernels take 1/rms of x = s again there.
+    dinv = inv.get()
+    normal = np.isfinite(dinv) & (dinv >= np.finfo(np.float32).tiny)
+    sinv = np.where(normal, dinv, ref.rms_norm(s.get(), w, eps=0.0)[1])
+    wdx, wdw = ref.add_rms_norm_bwd(s.get(), w, sinv, dy, ds)
+    _rows_close("dx", dx, wdx, dtype, 1e-5, ~inf_rows)
+    assert rel_err(dw.get(), wdw) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", RANGE_DTYPES, ids=str)
+@pytest.mark.parametrize("hd,half,params", [
+    (128, 32, dict(wg=64, vw=4, upg=8, gpc=1)),  # 8 work-items a unit (the GPU heuristic's layout at hd 128)
+    (36, 6, dict(wg=64, vw=4, upg=1, gpc=2)),    # an odd rotary half's vw 2, 15 slots over 64 work-items (the tree)
+    (64, 0, None),                               # no rotation; the device's layout
+])
+def test_qk_norm_rope_units_outside_the_square_range(queue, dtype, hd, half, params):
+    heads = 2
+    x = _extreme_rows((len(SCALES), heads, hd), 28, dtype)
+    x[:, 1] = x[::-1, 1]  # the units of a row at different scales
+    w, dy = rnd(hd, 29, 0.5), rnd(x.shape, 30, 4.0).astype(dtype)
+    table = ref.rope_table(len(SCALES), max(half, 1))[:, :half]
+    x_, w_, dy_ = to_device(queue, x, w, dy)
+    rope_ = cla.to_device(queue, np.ascontiguousarray(table)) if half else None
+    tuning.override("qk_norm_rope", {"hd": hd}, params)
+    try:
+        y, inv = clops.qk_norm_rope(queue, x_, w_, rope_, eps=0.0)
+        dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
+    finally:
+        tuning.override("qk_norm_rope", {"hd": hd}, None)
+    wy, winv = ref.qk_norm_rope(x, w, table, eps=0.0)
+    wdx, wdw = ref.qk_norm_rope_bwd(x, w, winv, table, dy)
+    inf_units = np.zeros((len(SCALES), heads), bool)
+    inf_units[INF_INV, 0] = inf_units[len(SCALES) - 1 - INF_INV, 1] = True
+    _rows_close("y", y, wy, dtype, 1e-6)
+    _inv_close(inv, winv, inf_units.ravel())
+    _rows_close("dx", dx, wdx, dtype, 1e-5, ~inf_units.ravel())
+    assert rel_err(dw.get(), wdw) <= 1e-5
 
 
 def test_qk_norm_rope_units_of_zeros(queue):
