@@ -171,54 +171,34 @@ ulong clops_guard(ulong i, ulong width, ulong len, uint site, __global uint *err
 % endif
 </%def>
 
-## 16-bit storage, held as bits (the helpers load/store of clops.program write
-## the calls): one element as a ushort, a vector of n ≥ 2 elements as n/2 uint
-## words (element 2i in the low half of word i), so that 8 elements move as one
-## 16-byte uint4 access and widen with one integer operation each (a ushort8
-## is two 8-byte accesses on NVIDIA's PTX, and each lane a conversion and a
-## shift). Widening is exact; narrowing rounds to nearest even (bf16 by integer
-## ops, float16 by vstore_half_rte: no float16 arithmetic, no extension), NaN
-## stays a (quiet) NaN, ±Inf stays ±Inf, float16 overflows to ±Inf from 65520
-## and keeps its subnormals. `${common.storage(st, ...)}\` once, before the
+## 16-bit storage, held as ushort bits (the helpers load/store of clops.program
+## write the calls): widening is exact; narrowing rounds to nearest even (bf16
+## by integer ops, float16 by vstore_half_rte: no float16 arithmetic, no
+## extension), NaN stays a (quiet) NaN, ±Inf stays ±Inf, float16 overflows to
+## ±Inf from 65520 and keeps its subnormals. `${common.storage(st, ...)}\` once, before the
 ## kernels, naming every storage type the template uses; it renders the
 ## helpers of "half" and "bf16" only when named.
 <%def name="storage(*types)">\
 <%
-    def wbits(n):  # the type of n elements' bits
-        return "ushort" if n == "" else "uint" if n == 2 else "uint%d" % (n // 2)
+    def sel(n, a, b, cond):  # b where cond holds, else a (cond a comparison: 1 or, per lane, -1)
+        return "((%s) ? (%s) : (%s))" % (cond, b, a) if n == "" else "select(%s, %s, %s)" % (a, b, cond)
 %>\
-% if "bf16" in types:
-float clops_bf16_to_float(ushort h) { return as_float((uint)h << 16); }
-ushort clops_float_to_bf16(float f)
-{
-    const uint u = as_uint(f);
-    return (ushort)(isnan(f) ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-% endif
-% for n in ((2, 4, 8, 16) if "bf16" in types else ()):
-<% f, u = "float%d" % n, "uint%d" % n %>\
-${f} clops_bf16_to_float${n}(${wbits(n)} w)
-{
-    ${u} u;
-    u.even = w << 16;
-    u.odd = w & 0xffff0000u;
-    return as_${f}(u);
-}
-${wbits(n)} clops_float${n}_to_bf16(${f} f)
+% for n in (("", 2, 4, 8, 16) if "bf16" in types else ()):
+<% f, u = "float%s" % n, "uint%s" % n %>\
+${f} clops_bf16_to_float${n}(ushort${n} h) { return as_${f}(convert_${u}(h) << 16); }
+ushort${n} clops_float${n}_to_bf16(${f} f)
 {
     const ${u} u = as_${u}(f);
-    // Each lane rounded in the high half of its word (NaN: its quiet bit set), then the pairs' high halves.
-    const ${u} r = select(u + 0x7fffu + ((u >> 16) & 1u), u | 0x400000u, isnan(f));
-    return (r.even >> 16) | (r.odd & 0xffff0000u);
+    return convert_ushort${n}(${sel(n, "(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "(u >> 16) | 0x40u", "isnan(f)")});
 }
 % endfor
 % for n in (("", 2, 4, 8, 16) if "half" in types else ()):
 ## Through a private copy: core OpenCL's vload_half / vstore_half_rte (hardware conversions where
-## there are some) on bits the caller loaded or stores as one wide, aligned access.
-${"float%s" % n} clops_half_to_float${n}(${wbits(n)} h) { return vload_half${n}(0, (const __private half *)&h); }
-${wbits(n)} clops_float${n}_to_half(${"float%s" % n} f)
+## there are some) on bits the caller loaded or stores as one wide, aligned ushort vector.
+${"float%s" % n} clops_half_to_float${n}(ushort${n} h) { return vload_half${n}(0, (const __private half *)&h); }
+ushort${n} clops_float${n}_to_half(${"float%s" % n} f)
 {
-    ${wbits(n)} h;
+    ushort${n} h;
     vstore_half${n}_rte(f, 0, (__private half *)&h);
     return h;
 }

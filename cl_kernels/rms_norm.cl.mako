@@ -13,11 +13,8 @@
 // of them), so each step of a row reads one contiguous run. A row's sum is a
 // fixed-order local-memory tree (common.group_sum over the row's TPR
 // work-items), so results are deterministic. With CACHE the row's vectors
-// stay in registers between the sum and the write (x, dy and ds as loaded, at
-// 16-bit storage uint words widened where used; at 16-bit storage the loops
-// over them unrolled: the widening makes bodies that a compiler may leave
-// rolled, the arrays then in memory, as clang 15's NVPTX did for every row
-// kernel at bfloat16); rows too wide for that (CH > 32) are read twice.
+// stay in registers between the sum and the write; rows too wide for that
+// (CH > 32) are read twice.
 //
 // One-pass backward (kind "rows_dw": rms_norm_bwd_dw, add_rms_norm_bwd): the
 // same row layout, but group g walks the rows [g·per_group, g·per_group +
@@ -61,7 +58,6 @@ ${common.storage(st, wst, dwst)}\
 #define VW ${vw}
 typedef ${idx} idx_t;
 typedef ${vtype(vw)} vec;
-typedef ${vptr(st, vw)} svec;  // a vector as stored
 typedef ${"int" if vw == 1 else "int%d" % vw} ivec;  // ldexp's exponents of a vec
 
 <%!
@@ -83,8 +79,6 @@ def scaled_dx(vw, p, xv, gv):
     # indexing would keep those arrays out of registers for every row (clang 15's NVPTX then put them on the
     # stack).
     unroll_slow = "#pragma unroll" if cache else ""
-    unroll = "#pragma unroll" if cache and st != "float" else ""  # the other loops over them (see the banner)
-    held = lambda a: from_bits(st, vw, a + "[k]")  # slot k of an array of vectors as loaded, widened
 %>\
 #define RPG ${rpg}
 #define TPR ${tpr}
@@ -122,17 +116,14 @@ void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict
 {
     ${row_setup()}
 % if cache:
-    svec xs[CH];
+    vec xs[CH];
 % endif
     float ss = 0.0f;
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
-% if cache:
-        xs[k] = (ok && j < dv) ? ${rawv("x", "base + j")} : (svec)(0);
-        const vec v = ${held("xs")};
-% else:
         const vec v = (ok && j < dv) ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
+% if cache:
+        xs[k] = v;
 % endif
         const vec sq = v * v;
         ss += ${lanes_sum(vw, "sq")};
@@ -164,11 +155,10 @@ void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict
             inv_out[${at("inv_out", "row")}] = ldexp(ivs, -se);
         return;
     }
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
-            ${storev(st, vw, "%s * inv * (%s + w_offset)" % (held("xs") if cache else loadv(st, vw, "x", "base + j"), loadv(wst, vw, "w", "j")), "y", "base + j")};
+            ${storev(st, vw, "%s * inv * (%s + w_offset)" % ("xs[k]" if cache else loadv(st, vw, "x", "base + j"), loadv(wst, vw, "w", "j")), "y", "base + j")};
     }
     if (t == 0)
         inv_out[${at("inv_out", "row")}] = inv;
@@ -186,10 +176,9 @@ void add_rms_norm_fwd(__global ${vptr(st, vw)} *restrict s_out, __global ${vptr(
 {
     ${row_setup()}
 % if cache:
-    vec xs[CH];  // a + b
+    vec xs[CH];
 % endif
     float ss = 0.0f;
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         const vec v = (ok && j < dv) ? ${loadv(st, vw, "a", "base + j")} + ${loadv(st, vw, "b", "base + j")} : (vec)(0.0f);
@@ -232,7 +221,6 @@ void add_rms_norm_fwd(__global ${vptr(st, vw)} *restrict s_out, __global ${vptr(
         inv_out[${at("inv_out", "row")}] = inv;
         return;
     }
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv) {
@@ -254,22 +242,16 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
 {
     ${row_setup()}
 % if cache:
-    svec xs[CH];
-    vec gs[CH];
+    vec xs[CH], gs[CH];
 % endif
     float s = 0.0f;
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         const bool live = ok && j < dv;
-% if cache:
-        xs[k] = live ? ${rawv("x", "base + j")} : (svec)(0);
-        const vec xv = ${held("xs")};
-% else:
         const vec xv = live ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
-% endif
         const vec gv = live ? ${loadv(st, vw, "dy", "base + j")} * (${loadv(wst, vw, "w", "j")} + w_offset) : (vec)(0.0f);
 % if cache:
+        xs[k] = xv;
         gs[k] = gv;
 % endif
         const vec p = gv * xv;
@@ -298,12 +280,11 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
     }
 % endif
     const float coef = total / d * iv * iv * iv;
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
 % if cache:
-            ${storev(st, vw, "iv * gs[k] - %s * coef" % held("xs"), "dx", "base + j")};
+            ${storev(st, vw, "iv * gs[k] - xs[k] * coef", "dx", "base + j")};
 % else:
             ${storev(st, vw, "iv * (%s * (%s + w_offset)) - %s * coef" % (loadv(st, vw, "dy", "base + j"), loadv(wst, vw, "w", "j"), loadv(st, vw, "x", "base + j")), "dx", "base + j")};
 % endif
@@ -335,9 +316,8 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
     const idx_t last = min(n, first + per_group);
     vec we[CH], acc[CH];
 % if cache:
-    svec xs[CH], dys[CH]${", dss[CH]" if resid else ""};
+    vec xs[CH], dys[CH]${", dss[CH]" if resid else ""};
 % endif
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         we[k] = j < dv ? ${loadv(wst, vw, "w", "j")} + w_offset : (vec)(0.0f);
@@ -349,22 +329,18 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
         const bool ok = row < last;
         const idx_t base = row * dv;
         float s = 0.0f;
-        ${unroll}
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPR;
             const bool live = ok && j < dv;
-% if cache:
-            xs[k] = live ? ${rawv("x", "base + j")} : (svec)(0);
-            dys[k] = live ? ${rawv("dy", "base + j")} : (svec)(0);
-%   if resid:
-            // read with x and dy: a load after the row's sum would wait on memory once a row
-            dss[k] = live ? ${rawv("ds", "base + j")} : (svec)(0);
-%   endif
-            const vec xv = ${held("xs")};
-            const vec dyv = ${held("dys")};
-% else:
             const vec xv = live ? ${loadv(st, vw, "x", "base + j")} : (vec)(0.0f);
             const vec dyv = live ? ${loadv(st, vw, "dy", "base + j")} : (vec)(0.0f);
+% if cache:
+            xs[k] = xv;
+            dys[k] = dyv;
+%   if resid:
+            // read with x and dy: a load after the row's sum would wait on memory once a row
+            dss[k] = live ? ${loadv(st, vw, "ds", "base + j")} : (vec)(0.0f);
+%   endif
 % endif
             const vec p = (dyv * we[k]) * xv;
             s += ${lanes_sum(vw, "p")};
@@ -374,18 +350,17 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
         const float coef = total / d * iv * iv * iv;
         // Rows whose inv is outside [2^−32, 2^32] (common.bwd_scaled) are the second walk's, below.
         const bool plain = ok && !${common.bwd_scaled("iv")};
-        ${unroll}
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPR;
             if (plain && j < dv) {
-                const vec xv = ${held("xs") if cache else loadv(st, vw, "x", "base + j")};
-                const vec dyv = ${held("dys") if cache else loadv(st, vw, "dy", "base + j")};
+                const vec xv = ${"xs[k]" if cache else loadv(st, vw, "x", "base + j")};
+                const vec dyv = ${"dys[k]" if cache else loadv(st, vw, "dy", "base + j")};
 <%
     val = "iv * (dyv * we[k]) - xv * coef"
     if vw == 1:  # one column: 1 − x²·inv² cancels in float; it is eps·inv² (as rms_norm_bwd)
         val = "(dv == 1 ? iv * (dyv * we[k]) * (eps * iv * iv) : %s)" % val
     if resid:
-        val = "%s + %s" % (held("dss") if cache else loadv(st, vw, "ds", "base + j"), val)
+        val = "%s + %s" % ("dss[k]" if cache else loadv(st, vw, "ds", "base + j"), val)
 %>\
                 ${storev(st, vw, val, "dx", "base + j")};
                 acc[k] += dyv * xv * iv;
@@ -416,7 +391,6 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
         }
     }
 % if rpg == 1:
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         const uint j = t + k * TPR;
         if (j < dv)
@@ -424,7 +398,6 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
     }
 % else:
     // The segments' sums, added in segment order.
-    ${unroll}
     for (uint k = 0; k < CH; ++k) {
         comb[lid] = acc[k];
         barrier(CLK_LOCAL_MEM_FENCE);

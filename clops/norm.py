@@ -24,10 +24,7 @@ Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, f
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
 
-Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW`` and ``DW``), shape class ``{"d": d, "st": st}``,
-``st`` the storage type of the activations (``"float"``, ``"half"`` or ``"bf16"``; an entry is for one
-of them, and ``vw`` counts its elements: the heuristics take 16-byte vectors, 4 float32 or 8 16-bit
-elements):
+Tuning (``clops.tuning``; the specs ``ROWS`` and ``DW``), shape class ``{"d": d}``:
 
 - op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
   ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
@@ -40,7 +37,7 @@ elements):
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
-  columns × 8 slices of rows; its shape class is the partial rows' (``st`` ``"float"``).
+  columns × 8 slices of rows.
 """
 from __future__ import annotations
 
@@ -48,12 +45,11 @@ import numpy as np
 import pyopencl as cl
 
 from .args import (F32, FLOATS, check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type,
-                   outputs, scratch, storage, storage_dtype, wrote)
+                   outputs, scratch, storage, wrote)
 from .spec import Spec
 
 TEMPLATE = "rms_norm.cl.mako"
 VECTOR_WIDTHS = (1, 2, 4, 8, 16)
-VECTOR_BYTES = 16  # the heuristics' vectors: 16 bytes at every storage type (4 float32 or 8 16-bit elements)
 # Rows wider than this many vectors per work-item are read twice instead of held in registers.
 MAX_CACHED = 32
 
@@ -69,34 +65,23 @@ def vector_width(vw, d):
     return vw
 
 
-def storage_vw(st, d, nbytes=VECTOR_BYTES):
-    """The widest vector of at most ``nbytes`` bytes of storage type ``st`` whose elements divide ``d``."""
-    return vector_width(nbytes // storage_dtype(st).itemsize, d)
-
-
-def vw_space(sc):
-    """The vector widths a sweep tries at ``sc["st"]``: up to 32 bytes."""
-    return [v for v in VECTOR_WIDTHS if v * storage_dtype(sc["st"]).itemsize <= 32]
-
-
 def wg_cap(dev):
     """The largest work-group the heuristics consider on ``dev``."""
     return int(min(dev.max_work_group_size, 1024))
 
 
 def heuristic_rows(dev, sc):
-    """float32's layout: vectors of 4, about 8 of them per work-item, up to 256 work-items per row, small rows
-    sharing a group; at every storage type the same work-items (a row's elements per work-item, so the
-    registers it holds them in) with vectors of 16 bytes (8 elements at 16-bit storage, half as many).
+    """About 8 vectors per work-item, up to 256 work-items per row; small rows share a group.
     (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to 256 at d = 4097.)"""
     d = sc["d"]
-    tpr = min(pow2_ceil(-(-d // (vector_width(4, d) * 8))), wg_cap(dev), 256)
+    vw = vector_width(4, d)
+    tpr = min(pow2_ceil(-(-d // (vw * 8))), wg_cap(dev), 256)
     wg = max(tpr, min(64, wg_cap(dev)))
-    return {"wg": wg, "vw": storage_vw(sc["st"], d), "rpg": wg // tpr}
+    return {"wg": wg, "vw": vw, "rpg": wg // tpr}
 
 
 def heuristic_dw(dev, sc):
-    return {"wg": min(128, wg_cap(dev)), "vw": storage_vw(sc["st"], sc["d"]), "rb": 64}
+    return {"wg": min(128, wg_cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
 
 
 def heuristic_bwd_dw(dev, sc):
@@ -108,13 +93,13 @@ def _vw_rule(p):
     return p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"
 
 
-# Storage types (clops.args.storage): the activations' (st) is the shape class's, the gain's (wst) and the
-# gain gradient's (dwst) are render extras each call passes; float32 unless told.
-_GAINS = {"wst": "float", "dwst": "float"}
+# Storage types (clops.args.storage) are render extras each call passes (st: activations, wst: the
+# gain, dwst: the gain gradient); float32 unless told.
+_FLOAT32 = {"st": "float", "wst": "float", "dwst": "float"}
 
 
 def _render_rows(p, sc):
-    p = dict(p, kind="rows", vw=vector_width(p["vw"], sc["d"]), st=sc["st"], **_GAINS)
+    p = dict(p, kind="rows", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32)
     p["ch"] = -(-sc["d"] // (p["vw"] * (p["wg"] // p["rpg"])))
     p["cache"] = p["ch"] <= MAX_CACHED
     return p
@@ -126,14 +111,14 @@ def _render_bwd_dw(p, sc):
 
 ROWS = Spec(
     "rms_norm", TEMPLATE, ("wg", "vw", "rpg"),
-    lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": vw_space(sc), "rpg": [1, 2, 4, 8]},
+    lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
     heuristic_rows, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
     local_bytes=lambda p, sc: 4 * p["wg"], render=_render_rows,
     doc="rms_norm, rms_norm_bwd and add_rms_norm: wg work-items per group, vw vector width, rpg rows per group")
 
 BWD_DW = Spec(
     "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "gpc"),
-    lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": vw_space(sc), "rpg": [1, 2, 4], "gpc": [1, 2, 4, 8]},
+    lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "gpc": [1, 2, 4, 8]},
     heuristic_bwd_dw, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
     # the row sums' scratch, and the segments' partial sums when a group takes several rows a step
     local_bytes=lambda p, sc: 4 * p["wg"] * (1 + (vector_width(p["vw"], sc["d"]) if p["rpg"] > 1 else 0)),
@@ -144,10 +129,10 @@ BWD_DW = Spec(
 COLUMN_SUM_WG = 256  # the column sum's groups: 32 columns × 8 slices of rows (cl_kernels/rms_norm.cl.mako)
 DW = Spec(
     "rms_norm_dw", TEMPLATE, ("wg", "vw", "rb"),
-    lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": vw_space(sc), "rb": [16, 32, 64, 128, 256]},
+    lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
     heuristic_dw, rules=lambda p, sc: (_vw_rule(p),), wg=lambda p, sc: max(p["wg"], COLUMN_SUM_WG),
     local_bytes=lambda p, sc: 4 * COLUMN_SUM_WG,
-    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"]), st=sc["st"], **_GAINS),
+    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32),
     doc="rms_norm_dw: wg columns per group, vw vector width, rb rows per partial block (the column sum of "
         "every gain gradient comes with it)")
 MIN_STEPS = 4  # a one-pass backward group walks at least this many steps of rows (fewer partial rows)
@@ -189,10 +174,10 @@ def check_gain(name, w, queue, x, shape):
 
 
 def _row_plan(queue, name, n, d, st, wst):
-    sc = {"d": d, "st": st}
+    sc = {"d": d}
     p = ROWS.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
-    _, knl = ROWS.kernels(queue, sc, idx=idx, wst=wst)
+    _, knl = ROWS.kernels(queue, sc, idx=idx, st=st, wst=wst)
     sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
     return knl[name], (-(-n // p["rpg"]),), sizes
 
@@ -261,10 +246,10 @@ def bwd_dw_groups(dev, p, n, min_steps=MIN_STEPS):
 
 
 def _bwd_dw_plan(queue, name, n, d, st, wst):
-    sc = {"d": d, "st": st}
+    sc = {"d": d}
     p = BWD_DW.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)
-    _, knl = BWD_DW.kernels(queue, sc, idx=idx, wst=wst)
+    _, knl = BWD_DW.kernels(queue, sc, idx=idx, st=st, wst=wst)
     groups, per_group = bwd_dw_groups(queue.device, p, n)
     itype = index_scalar(idx)
     return knl[name], groups, [itype(n), np.uint32(d // p["vw"]), np.float32(d)], itype(per_group)
@@ -295,10 +280,10 @@ def _column_plan(queue, rows, cols, dwst):
     """(kernel, grid, scalar arguments before the accumulate flag) of a column sum of ``rows`` partial
     rows: into ``dw`` (of storage type ``dwst``), or with ``dwst`` None, chunks of CHUNK rows into a
     float32 scratch of ``-(-rows // CHUNK)`` rows."""
-    sc = {"d": cols, "st": "float"}  # the partial sums
+    sc = {"d": cols}
     p = DW.params(queue.device, sc)
     idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
-    _, knl = DW.kernels(queue, sc, idx=idx, dwst=dwst or "float")
+    _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=dwst or "float")
     groups = -(-cols // 32)  # 32 columns a group
     grid = (groups, 1) if dwst else (groups, -(-rows // CHUNK))
     return knl["column_sum"], grid, [np.uint32(rows), np.uint32(cols)], np.uint32(rows if dwst else CHUNK)
@@ -323,10 +308,10 @@ def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None, alloca
 
 
 def _dw_plan(queue, n, d, st):
-    sc = {"d": d, "st": st}
+    sc = {"d": d}
     p = DW.params(queue.device, sc)
     idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
-    _, knl = DW.kernels(queue, sc, idx=idx)
+    _, knl = DW.kernels(queue, sc, idx=idx, st=st, dwst="float")
     blocks = -(-n // p["rb"])
     dv = d // p["vw"]
     return knl["rms_norm_dw_partial"], (-(-dv // p["wg"]), blocks), blocks, [index_scalar(idx)(n), np.uint32(dv)]

@@ -70,32 +70,12 @@ def vstore(vw, val, ptr, idx):
 
 
 # Storage types: what a buffer holds ("float", "half", "bf16"); math is float32 always. 16-bit
-# types are held as bits: one element a ushort, a vector of n ≥ 2 elements n/2 uint words, converted
-# in registers by common.cl.mako's storage() helpers (no cl_khr_fp16 needed; NVIDIA's vload_half8
-# straight from global memory ran at a third of the bandwidth of aligned 16-bit vectors, and a ushort8
-# is two 8-byte accesses in PTX where a uint4 is one of 16 bytes).
+# types are held as ushort bits, moved as ushort vectors and converted in registers by
+# common.cl.mako's storage() helpers (no cl_khr_fp16 needed; NVIDIA's vload_half8 straight from
+# global memory ran at a third of the bandwidth that aligned ushort8 accesses reach).
 def ctype(st):
     """The OpenCL element type of a buffer of storage type ``st`` (pointers are declared with it)."""
     return "float" if st == "float" else "ushort"
-
-
-def vptr(st, vw):
-    """The type of ``vw`` elements of storage type ``st`` as stored (a buffer read and written ``vw``
-    elements at a time at vector indices, by ``loadv`` / ``storev``, is declared with it): floatN, a
-    ushort, or uint words (two elements each) for 16-bit vectors."""
-    if st == "float":
-        return vtype(vw)
-    return "ushort" if vw == 1 else "uint" if vw == 2 else f"uint{vw // 2}"
-
-
-def from_bits(st, vw, raw):
-    """float(vw) of ``raw``, the text of ``vw`` elements of storage type ``st`` as :func:`vptr` holds them."""
-    return raw if st == "float" else f"clops_{st}_to_float{'' if vw == 1 else vw}({raw})"
-
-
-def to_bits(st, vw, val):
-    """The bits (:func:`vptr`) of float(vw) ``val`` rounded to nearest even in storage type ``st``."""
-    return val if st == "float" else f"clops_float{'' if vw == 1 else vw}_to_{st}({val})"
 
 
 def load(st, vw, ptr, idx, aligned=False):
@@ -104,27 +84,32 @@ def load(st, vw, ptr, idx, aligned=False):
     so the access is one naturally aligned vector (vloadn assumes element alignment only, and
     NVIDIA's driver splits a vload4 of 16-bit elements into narrow loads)."""
     if vw == 1:
-        return from_bits(st, 1, f"{ptr}[{idx}]")
-    if aligned:
-        return from_bits(st, vw, f"*(__global const {vptr(st, vw)} *)({ptr} + ({idx}))")
-    raw = f"vload{vw}(0, {ptr} + ({idx}))"
-    return from_bits(st, vw, raw if st == "float" else f"as_{vptr(st, vw)}({raw})")
+        return f"{ptr}[{idx}]" if st == "float" else f"clops_{st}_to_float({ptr}[{idx}])"
+    ct = ctype(st)
+    raw = f"*(__global const {ct}{vw} *)({ptr} + ({idx}))" if aligned else f"vload{vw}(0, {ptr} + ({idx}))"
+    return raw if st == "float" else f"clops_{st}_to_float{vw}({raw})"
 
 
 def store(st, vw, val, ptr, idx, aligned=False):
     """Round float(vw) ``val`` to nearest even in storage type ``st`` and store it at element ``idx``
     (``aligned`` as for :func:`load`)."""
     if vw == 1:
-        return f"{ptr}[{idx}] = {to_bits(st, 1, val)}"
+        return f"{ptr}[{idx}] = {val}" if st == "float" else f"{ptr}[{idx}] = clops_float_to_{st}({val})"
+    val = val if st == "float" else f"clops_float{vw}_to_{st}({val})"
     if aligned:
-        return f"*(__global {vptr(st, vw)} *)({ptr} + ({idx})) = {to_bits(st, vw, val)}"
-    val = to_bits(st, vw, val)
-    return f"vstore{vw}({val if st == 'float' else f'as_ushort{vw}({val})'}, 0, {ptr} + ({idx}))"
+        return f"*(__global {ctype(st)}{vw} *)({ptr} + ({idx})) = {val}"
+    return f"vstore{vw}({val}, 0, {ptr} + ({idx}))"
+
+
+def vptr(st, vw):
+    """The element type a buffer of storage type ``st`` is declared with when it is read and written
+    ``vw`` elements at a time at vector indices (``loadv`` / ``storev``): floatN, or ushortN bits."""
+    return vtype(vw) if st == "float" else "ushort" if vw == 1 else f"ushort{vw}"
 
 
 # String helpers every template sees beside its parameters.
 _HELPERS = {"vtype": vtype, "vload": vload, "vstore": vstore, "ctype": ctype, "load": load, "store": store,
-            "vptr": vptr, "from_bits": from_bits, "to_bits": to_bits}
+            "vptr": vptr}
 
 
 def _guard_helpers(checked, sites):
@@ -147,21 +132,21 @@ def _guard_helpers(checked, sites):
         return "".join([", __global uint *restrict clops_err"] + [f", const ulong {b}_bytes" for b in bufs])
 
     # Vector-indexed access (every vector aligned to its size: rows start on vector boundaries) to a
-    # buffer declared `vptr(st, vw) *`, guarded through `at`: a floatN array as before, or the bits of
-    # 16-bit elements converted in registers (as load / store with aligned=True).
-    def rawv(ptr, vidx):
-        """The vector at vector index ``vidx`` of ``ptr`` as stored (``vptr``'s type: bits at 16-bit storage)."""
-        return f"{ptr}[{at(ptr, vidx)}]"
-
+    # buffer declared `vptr(st, vw) *`, guarded through `at`: a floatN array as before, or a ushortN
+    # one converted in registers (as load / store with aligned=True).
     def loadv(st, vw, ptr, vidx):
         """``vw`` elements of storage type ``st`` at vector index ``vidx`` of ``ptr``, widened to float(vw)."""
-        return from_bits(st, vw, rawv(ptr, vidx))
+        if st == "float":
+            return f"{ptr}[{at(ptr, vidx)}]"
+        return f"clops_{st}_to_float{'' if vw == 1 else vw}({ptr}[{at(ptr, vidx)}])"
 
     def storev(st, vw, val, ptr, vidx):
         """Round float(vw) ``val`` to nearest even in storage type ``st``, store it at vector index ``vidx``."""
-        return f"{ptr}[{at(ptr, vidx)}] = {to_bits(st, vw, val)}"
+        if st == "float":
+            return f"{ptr}[{at(ptr, vidx)}] = {val}"
+        return f"{ptr}[{at(ptr, vidx)}] = clops_float{'' if vw == 1 else vw}_to_{st}({val})"
 
-    return {"at": at, "checked_args": checked_args, "rawv": rawv, "loadv": loadv, "storev": storev}
+    return {"at": at, "checked_args": checked_args, "loadv": loadv, "storev": storev}
 
 
 def _render(template, params):

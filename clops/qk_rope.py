@@ -35,10 +35,9 @@ single vectors past ``2·half``), and add the unit's sum of squares through loca
 barrier. The backward's groups each walk a range of units, keeping their gain-gradient sums in
 registers, and write one partial row each.
 
-Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd, "st": st}``
-(``st`` the storage type of ``x``, as :mod:`clops.norm`'s), parameters
-``wg`` work-items per group, ``vw`` vector width in elements of ``st`` (1, 2, 4, 8 or 16; the largest power
-of two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` units (row, head) handled at a
+Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
+``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
+two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` units (row, head) handled at a
 time by a group (divides ``wg``; a unit is shared by ``wg/upg`` work-items), ``gpc`` backward
 groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
 groups, each walking at least ``MIN_STEPS`` steps of ``upg`` units
@@ -54,7 +53,7 @@ import pyopencl.array as cla
 
 from .args import (F32, FLOATS, check_array, check_queue, check_sequences, events, hold, index_scalar, index_type,
                    outputs, positive_int, scratch, storage, upload_sequences, wrote)
-from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, storage_vw, vector_width, vw_space, wg_cap
+from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, vector_width, wg_cap
 from .spec import Spec
 
 TEMPLATE = "qk_norm_rope.cl.mako"
@@ -65,24 +64,19 @@ MIN_STEPS = 2
 
 
 def heuristic(dev, sc):
-    """GPUs: vectors of 16 bytes (4 float32 or 8 16-bit elements); at float32 about four vectors per
-    work-item (TPU = hd/16 work-items a unit, at most 64), at 16-bit storage at most one slot (a pair of
-    vectors, or one past the rotation; TPU = hd/8: at the rotary half hd/4 a quarter of them idle), whose
-    float registers are float32's four vectors' (the 16 elements of float32's layout at hd/16 work-items,
-    its slots of 8, took 138 registers in the backward at hd 128, where two groups of 256 hold 128);
-    groups of 256, two backward groups per compute unit (the backward holds four pairs of x and dy vectors
-    and its sums: about 96 registers for sm_80 through clang and ptxas, so two groups of 256 fill a compute
-    unit's registers and the whole grid is resident at once; at 16-bit storage about 108). CPUs: vectors of
-    32 bytes (8 float32 elements), one work-item a unit (no barrier a step), groups of 32, four backward
-    groups per compute unit: on PoCL and Intel's runtime the fastest of the layouts tried, forward and
-    backward, at hd 64 to 512."""
+    """GPUs: vectors of 4, about four of them per work-item (TPU = hd/16 work-items a unit, at most 64),
+    groups of 256, two backward groups per compute unit (the backward holds four pairs of x and dy
+    vectors and its sums: about 96 registers for sm_80 through clang and ptxas, so two groups of 256
+    fill a compute unit's registers and the whole grid is resident at once). CPUs: vectors of 8, one
+    work-item a unit (no barrier a step), groups of 32, four backward groups per compute unit: on
+    PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512."""
     hd = sc["hd"]
     cap = wg_cap(dev)
     if dev.type & cl.device_type.CPU:
         wg = min(32, cap)
-        return {"wg": wg, "vw": storage_vw(sc["st"], hd, 32), "upg": wg, "gpc": 4}
-    vw = storage_vw(sc["st"], hd)
-    tpu = min(_pow2_floor(max(1, hd // (16 if sc["st"] == "float" else 8))), 64, cap)
+        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4}
+    vw = vector_width(4, hd)
+    tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     wg = max(tpu, min(256, cap))
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 2}
 
@@ -106,13 +100,13 @@ def local_bytes(p, sc):
 
 
 def _render(p, sc):
-    # the template lowers vw until it divides hd and the rotary half (a render extra, as the gain's storage)
-    return dict(p, hd=sc["hd"], vw=vector_width(p["vw"], sc["hd"]), st=sc["st"], wst="float")
+    # the template lowers vw until it divides hd and the rotary half (a render extra, as the storage types)
+    return dict(p, hd=sc["hd"], vw=vector_width(p["vw"], sc["hd"]), st="float", wst="float")
 
 
 SPEC = Spec(
     "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "gpc"),
-    lambda sc: {"wg": [64, 128, 256, 512], "vw": vw_space(sc)[1:], "upg": [2, 4, 8, 16, 32, 64],
+    lambda sc: {"wg": [64, 128, 256, 512], "vw": [2, 4, 8], "upg": [2, 4, 8, 16, 32, 64],
                 "gpc": [1, 2, 4, 8]},
     heuristic,
     rules=lambda p, sc: ((p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"),
@@ -177,11 +171,11 @@ def _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen):
 
 def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
     """(params, kernel, units as its index type), built (the ops reach it through _launch's memo)."""
-    sc = {"hd": hd, "st": st}
+    sc = {"hd": hd}
     p = SPEC.params(queue.device, sc)
     # unit offsets past the end (the last group's units), and the backward's unit ranges
     idx = index_type((units + p["upg"]) * hd, 2 * units + p["upg"])
-    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, wst=wst, varlen=varlen)
+    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst, varlen=varlen)
     return p, knl[name], index_scalar(idx)(units)
 
 

@@ -112,14 +112,8 @@ def _upload(queue, *arrays):
     return [cla.to_device(queue, a) for a in arrays]
 
 
-def _nbytes(*shapes, size=4):
-    return size * sum(int(np.prod(s)) for s in shapes)
-
-
-def _stored(sc, tol):
-    """The tolerance of a result stored at ``sc["st"]``: ``tol`` at float32, its one rounding (a relative L2
-    of about 2⁻⁹) allowed at 16-bit storage."""
-    return tol if sc["st"] == "float" else max(tol, 1e-2)
+def _nbytes(*shapes):
+    return 4 * sum(int(np.prod(s)) for s in shapes)
 
 
 # ---- elementwise: swiglu forward + backward stand in for the family (one parameter set) ----
@@ -137,18 +131,17 @@ def _elementwise(queue, sc, pb):
                 _nbytes(*[shape] * 8))
 
 
-# ---- RMSNorm rows (forward + backward) and the gain gradient, at the storage type sc["st"] ----
+# ---- RMSNorm rows (forward + backward) and the gain gradient ----
 
-def _norm_data(queue, sc, pb):
-    """(x, w, dy) of ``sc["st"]`` (the gain too), on the host and on the device, and that storage's bytes an element."""
-    n, dt = pb["rows"], storage_dtype(sc["st"])
-    x, w, dy = (a.astype(dt) for a in (ref.rnd((n, sc["d"]), 1, 2.0), ref.rnd(sc["d"], 2, 1.0), ref.rnd((n, sc["d"]), 3, 1.0)))
-    return (x, w, dy), _upload(queue, x, w, dy), dt.itemsize
+def _norm_data(queue, pb, d):
+    n = pb["rows"]
+    x, w, dy = ref.rnd((n, d), 1, 2.0), ref.rnd(d, 2, 1.0), ref.rnd((n, d), 3, 1.0)
+    return (x, w, dy), _upload(queue, x, w, dy)
 
 
 def _rms_norm(queue, sc, pb):
-    d, n = sc["d"], pb["rows"]
-    (x, w, dy), (dx_, dw_, ddy), size = _norm_data(queue, sc, pb)
+    d = sc["d"]
+    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
     pool = _pool(queue)
 
     def call():
@@ -159,33 +152,33 @@ def _rms_norm(queue, sc, pb):
         y, inv = ref.rms_norm(x, w)
         return y, inv, ref.rms_norm_bwd(x, w, inv, dy)
 
-    work = _nbytes((n, d), (d,), (n, d), (n, d), (d,), (n, d), (n, d), size=size) + _nbytes((n,), (n,))
-    return Case(call, reference, (_stored(sc, FWD), FWD, _stored(sc, BWD)), "GB/s", work)
+    n = pb["rows"]
+    work = _nbytes((n, d), (d,), (n, d), (n,)) + _nbytes((n, d), (d,), (n,), (n, d), (n, d))
+    return Case(call, reference, (FWD, FWD, BWD), "GB/s", work)
 
 
 def _rms_norm_dw(queue, sc, pb):
     d, n = sc["d"], pb["rows"]
-    (x, w, dy), (dx_, _, ddy), size = _norm_data(queue, sc, pb)
-    inv = ref.rms_norm(x, w)[1].astype(np.float32)
-    (dinv,) = _upload(queue, inv)
+    (x, w, dy), (dx_, _, ddy) = _norm_data(queue, pb, d)
+    _, inv = ref.rms_norm(x, w)
+    (dinv,) = _upload(queue, inv.astype(np.float32))
     pool = _pool(queue)
     return Case(lambda: (clops.rms_norm_dw(queue, dx_, dinv, ddy, allocator=pool),),
-                lambda: (ref.rms_norm_dw(x, inv, dy),), (BWD,), "GB/s",
-                _nbytes((n, d), (n, d), size=size) + _nbytes((n,), (d,)))
+                lambda: (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), (BWD,), "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
 
 
 def _rms_norm_bwd_dw(queue, sc, pb):
     """The one-pass backward (rms_norm_bwd with the gain gradient); add_rms_norm_bwd shares its kernel's
     parameters (the same pass with ds read and added)."""
     d, n = sc["d"], pb["rows"]
-    (x, w, dy), (dx_, dw_, ddy), size = _norm_data(queue, sc, pb)
-    inv = ref.rms_norm(x, w)[1].astype(np.float32)
+    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
+    _, inv = ref.rms_norm(x, w)
+    inv = inv.astype(np.float32)
     (dinv,) = _upload(queue, inv)
     pool = _pool(queue)
     return Case(lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool),
-                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)),
-                (_stored(sc, BWD), _stored(sc, BWD)), "GB/s",
-                _nbytes((n, d), (d,), (n, d), (n, d), (d,), size=size) + _nbytes((n,)))
+                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (BWD, BWD), "GB/s",
+                _nbytes((n, d), (d,), (n,), (n, d), (n, d), (d,)))
 
 
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
@@ -281,11 +274,8 @@ def _attention_bwd_mma(pass_):
 
 
 def _qk_norm_rope(queue, sc, pb):
-    """At the storage type sc["st"] (the gain too)."""
     hd, n, heads, window = sc["hd"], pb["rows"], pb["heads"], pb["window"]
-    dt = storage_dtype(sc["st"])
-    x, w, dy = (a.astype(dt) for a in (ref.rnd((n, heads, hd), 1, 2.0), ref.rnd(hd, 2, 0.5),
-                                       ref.rnd((n, heads, hd), 3, 1.0)))
+    x, w, dy = ref.rnd((n, heads, hd), 1, 2.0), ref.rnd(hd, 2, 0.5), ref.rnd((n, heads, hd), 3, 1.0)
     rope = ref.rope_table(window, hd // 4)
     dx_, dw_, ddy, drope = _upload(queue, x, w, dy, rope)
     pool = _pool(queue)
@@ -298,9 +288,9 @@ def _qk_norm_rope(queue, sc, pb):
         y, inv = ref.qk_norm_rope(x, w, rope)
         return (y, inv, *ref.qk_norm_rope_bwd(x, w, inv, rope, dy))
 
-    shape, units = (n, heads, hd), (n, heads)
-    work = _nbytes(shape, (hd,), shape, shape, (hd,), shape, shape, (hd,), size=dt.itemsize) + _nbytes(units, units)
-    return Case(call, reference, (_stored(sc, FWD), FWD, _stored(sc, BWD), _stored(sc, BWD)), "GB/s", work)
+    shape = (n, heads, hd)
+    work = _nbytes(shape, (hd,), shape, (n, heads)) + _nbytes(shape, (hd,), (n, heads), shape, shape, (hd,))
+    return Case(call, reference, (FWD, FWD, BWD, BWD), "GB/s", work)
 
 
 def _bwd_family(kind):
@@ -380,14 +370,13 @@ FAMILIES = {
         elementwise.SPEC, {},
         lambda sc, small: {"rows": 64, "width": 960} if small else {"rows": _TOKENS, "width": 3 * 5120},
         _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
-    "rms_norm": Family(norm.ROWS, {"d": 5120, "st": "float"}, lambda sc, small: {"rows": 256 if small else _TOKENS},
-                       _rms_norm, "rms_norm + rms_norm_bwd on [rows, d] at storage st"),
-    "rms_norm_dw": Family(norm.DW, {"d": 5120, "st": "float"}, lambda sc, small: {"rows": 256 if small else _TOKENS},
-                          _rms_norm_dw, "rms_norm_dw on [rows, d] at storage st"),
-    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
-                              lambda sc, small: {"rows": 256 if small else _TOKENS},
-                              _rms_norm_bwd_dw, "rms_norm_bwd(want_dw=True) on [rows, d] at storage st: dx and dw in "
-                              "one pass (add_rms_norm_bwd's parameters too)"),
+    "rms_norm": Family(norm.ROWS, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                       _rms_norm, "rms_norm + rms_norm_bwd on [rows, d]"),
+    "rms_norm_dw": Family(norm.DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                          _rms_norm_dw, "rms_norm_dw on [rows, d]"),
+    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                              _rms_norm_bwd_dw, "rms_norm_bwd(want_dw=True) on [rows, d]: dx and dw in one pass "
+                              "(add_rms_norm_bwd's parameters too)"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
                             "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_fwd_mma": Family(attn.FWD_MMA, {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem,
@@ -410,10 +399,10 @@ FAMILIES = {
     "adamw": Family(optim.SPEC, {}, lambda sc, small: {"rows": 4099 if small else 2**26}, _adamw,
                     "adamw on [rows] (the timed calls include uploading the state they start from)"),
     "qk_norm_rope": Family(
-        qk_rope.SPEC, {"hd": 128, "st": "float"},
+        qk_rope.SPEC, {"hd": 128},
         lambda sc, small: {"rows": 128 if small else _TOKENS, "heads": 4 if small else 16, "window": 64 if small
                            else 4096},
-        _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd] at storage st, rotary half hd/4"),
+        _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd], rotary half hd/4"),
 }
 
 

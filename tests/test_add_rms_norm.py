@@ -113,8 +113,8 @@ def test_in_place_residual(queue):
     of the out-of-place calls, also for rows read twice (the row spec's rows over 32 vectors a work-item)."""
     for n, d, rows in [(9, 300, None), (5, 4097, dict(wg=32, vw=1, rpg=1))]:
         if rows:
-            tuning.override("rms_norm", {"d": d, "st": "float"}, rows)
-            tuning.override("rms_norm_bwd_dw", {"d": d, "st": "float"}, dict(rows, gpc=2))
+            tuning.override("rms_norm", {"d": d}, rows)
+            tuning.override("rms_norm_bwd_dw", {"d": d}, dict(rows, gpc=2))
         a, w, b, ds = _data(n, d, np.float32, np.float32)
         A, B, W, DS, DY = to_device(queue, a, b, w, ds, rnd((n, d), 7))
         s, y, inv = (t.get() for t in clops.add_rms_norm(queue, A, B, W))
@@ -133,12 +133,12 @@ def override():
     set_ = []
 
     def put(op, d, params):
-        tuning.override(op, {"d": d, "st": "float"}, params)
+        tuning.override(op, {"d": d}, params)
         set_.append((op, d))
 
     yield put
     for op, d in set_:
-        tuning.override(op, {"d": d, "st": "float"}, None)
+        tuning.override(op, {"d": d}, None)
 
 
 @pytest.mark.parametrize("d,params", [

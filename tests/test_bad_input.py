@@ -271,11 +271,11 @@ def test_bad_input_is_refused(queue, monkeypatch, op, what, named, exc, make):
 # class, parameters, the limit the error must name[, keyword arguments of the op call]).
 LIMITS = [
     ("add", "elementwise", {}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "ept": 1}, "work-items"),
-    ("rms_norm", "rms_norm", {"d": D, "st": "float"}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1},
+    ("rms_norm", "rms_norm", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1},
      "work-items"),
-    ("rms_norm_dw", "rms_norm_dw", {"d": D, "st": "float"}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
+    ("rms_norm_dw", "rms_norm_dw", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
      "work-items"),
-    ("qk_norm_rope", "qk_norm_rope", {"hd": QD, "st": "float"},
+    ("qk_norm_rope", "qk_norm_rope", {"hd": QD},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "upg": 1, "gpc": 1}, "work-items"),
     ("attention", "attention_fwd", {"hd": HD},
      lambda dev: {"bq": 2 * dev.max_work_group_size, "rq": 1, "tx": 1, "bk": 8, "vw": 1, "dc": 8, "kc": 8},

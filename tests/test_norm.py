@@ -77,13 +77,13 @@ def override():
     """Set tuning overrides for the test; all removed afterwards."""
     set_ = []
 
-    def put(op, d, params, st="float"):
-        tuning.override(op, {"d": d, "st": st}, params)
-        set_.append((op, d, st))
+    def put(op, d, params):
+        tuning.override(op, {"d": d}, params)
+        set_.append((op, d))
 
     yield put
-    for op, d, st in set_:
-        tuning.override(op, {"d": d, "st": st}, None)
+    for op, d in set_:
+        tuning.override(op, {"d": d}, None)
 
 
 @pytest.mark.parametrize("d,rows,dw", [
@@ -215,8 +215,7 @@ def test_column_sum_in_two_stages(queue, override, dtype):
     """Over 2·CHUNK partial rows the column sum takes two launches (chunks, then their sums): rms_norm_dw
     with one row a block, and qk_norm_rope_bwd with two units a block (a 16-bit dw rounded once at the end)."""
     n, d = 3 * norm.CHUNK + 5, 40
-    st = clops.args.storage(dtype)
-    override("rms_norm_dw", d, dict(wg=32, vw=4, rb=1), st)
+    override("rms_norm_dw", d, dict(wg=32, vw=4, rb=1))
     x, w, dy = rnd((n, d), 1, 2.0).astype(dtype), rnd(d, 2, 0.5).astype(dtype), rnd((n, d), 3).astype(dtype)
     X, W, DY = to_device(queue, x, w, dy)
     _, inv = clops.rms_norm(queue, X, W)
@@ -225,7 +224,7 @@ def test_column_sum_in_two_stages(queue, override, dtype):
     clops.rms_norm_dw(queue, X, inv, DY, dw=DW)
     assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv.get(), dy)) <= 1e-5
     hd = d // 2  # x as [n, 2, hd]: 2·n units, two a partial row (clops.qk_rope.MIN_STEPS steps of one unit)
-    tuning.override("qk_norm_rope", {"hd": hd, "st": st}, dict(wg=8, vw=2, upg=2, gpc=1 << 20))
+    tuning.override("qk_norm_rope", {"hd": hd}, dict(wg=8, vw=2, upg=2, gpc=1 << 20))
     try:
         w2 = rnd(hd, 5, 0.5).astype(dtype)
         X3, DY3, (W2,) = X.reshape(n, 2, hd), DY.reshape(n, 2, hd), to_device(queue, w2)
@@ -237,4 +236,4 @@ def test_column_sum_in_two_stages(queue, override, dtype):
         else:
             assert_storage_close("dw", dw, want, dtype, 1e-5)
     finally:
-        tuning.override("qk_norm_rope", {"hd": hd, "st": st}, None)
+        tuning.override("qk_norm_rope", {"hd": hd}, None)

@@ -41,7 +41,6 @@ def _tiles(*configs):
 
 
 NARROW = ("float16", "bfloat16")  # numpy knows bfloat16 by name once ml_dtypes is imported (clops imports it)
-STORAGE = ("float", "half", "bf16")  # the storage types of the shape classes
 NARROW_TOL = 1e-2  # relative L2 of a 16-bit result: its one rounding (bfloat16: at most 2⁻⁸ of each element)
 
 
@@ -108,10 +107,9 @@ def run_norm(queue):
             continue
         x, w, dy = rnd((n, d), 11, 2.0), rnd(d, 12, 0.5), rnd((n, d), 13, 1.0)
         x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
-        for st in STORAGE:  # the same tiles at every storage type (16-bit vectors of 4: two uint words)
-            tuning.override("rms_norm", {"d": d, "st": st}, rows)
-            tuning.override("rms_norm_dw", {"d": d, "st": st}, dw)
-            tuning.override("rms_norm_bwd_dw", {"d": d, "st": st}, None if rows is None else dict(rows, gpc=1))
+        tuning.override("rms_norm", {"d": d}, rows)
+        tuning.override("rms_norm_dw", {"d": d}, dw)
+        tuning.override("rms_norm_bwd_dw", {"d": d}, None if rows is None else dict(rows, gpc=1))
         for gemma in (False, True):
             (y, inv), (wy, winv) = clops.rms_norm(queue, x_, w_, gemma=gemma), ref.rms_norm(x, w, gemma=gemma)
             _expect("rms_norm y", y, wy)
@@ -220,8 +218,7 @@ def run_qk_norm_rope(queue):
     # sum in 2 slices
     for params in _tiles({"wg": 8, "vw": 4, "upg": 2, "gpc": 1}, {"wg": 4, "vw": 1, "upg": 1, "gpc": 2},
                          {"wg": 32, "vw": 1, "upg": 8, "gpc": 1}, None):
-        for st in STORAGE:
-            tuning.override("qk_norm_rope", {"hd": hd, "st": st}, params)
+        tuning.override("qk_norm_rope", {"hd": hd}, params)
         for half in (4, 0):  # 8 of 12 dims rotated, the rest passed through; then no rotation
             table = ref.rope_table(window, half)
             rope_ = cla.to_device(queue, table) if half else None

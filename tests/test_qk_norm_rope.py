@@ -172,13 +172,13 @@ def test_dw_adds_into_given_and_is_deterministic(queue):
 def override():
     set_ = []
 
-    def put(hd, params, st="float"):
-        tuning.override("qk_norm_rope", {"hd": hd, "st": st}, params)
-        set_.append((hd, st))
+    def put(hd, params):
+        tuning.override("qk_norm_rope", {"hd": hd}, params)
+        set_.append(hd)
 
     yield put
-    for hd, st in set_:
-        tuning.override("qk_norm_rope", {"hd": hd, "st": st}, None)
+    for hd in set_:
+        tuning.override("qk_norm_rope", {"hd": hd}, None)
 
 
 @pytest.mark.parametrize("hd,half,params", [
@@ -208,13 +208,11 @@ class _Gpu:  # what the heuristic reads of a device
 @pytest.mark.parametrize("hd,half", [(64, 16), (128, 64), (96, 20)])
 def test_gpu_layout_on_this_device(queue, override, hd, half):
     """The GPU heuristic's layout (groups of 256, hd/16 work-items a unit; CPUs take one) at float32 and
-    bfloat16 storage over sequences (hd 96, half 20: 19 slots, 5 of them pairs, over 4 work-items at
-    float32; at bfloat16 vectors of 8 but of 4 here (half 20), and at hd 128 6 slots over 8 work-items)."""
-    p = qkr.heuristic(_Gpu, {"hd": hd, "st": "float"})
+    bfloat16 storage over sequences (hd 96, half 20: 19 slots, 5 of them pairs, over 4 work-items)."""
+    p = qkr.heuristic(_Gpu, {"hd": hd})
     if p["wg"] > queue.device.max_work_group_size:
         pytest.skip("groups of 256")
     override(hd, p)
-    override(hd, qkr.heuristic(_Gpu, {"hd": hd, "st": "bf16"}), "bf16")
     x, w, dy = _data(10, 3, hd)
     _parity(queue, x, w, ref.rope_table(5, half), dy, False)
     cu = np.array([0, 3, 3, 10], np.int32)

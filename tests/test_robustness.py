@@ -98,14 +98,14 @@ def test_rms_norm_rows_outside_the_square_range(queue, dtype, d, rows):
     x, w, dy = _extreme_rows((len(SCALES), d), 25, dtype), rnd(d, 26, 0.5), rnd((len(SCALES), d), 27, 4.0).astype(dtype)
     x_, w_, dy_ = to_device(queue, x, w, dy)
     inf_rows = np.arange(len(SCALES)) == INF_INV
-    tuning.override("rms_norm", {"d": d, "st": clops.args.storage(dtype)}, rows)
+    tuning.override("rms_norm", {"d": d}, rows)
     try:
         y, inv = clops.rms_norm(queue, x_, w_, eps=0.0)
         dx = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0)
         dx1, dw1 = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0, want_dw=True)
         dw = clops.rms_norm_dw(queue, x_, inv, dy_)
     finally:
-        tuning.override("rms_norm", {"d": d, "st": clops.args.storage(dtype)}, None)
+        tuning.override("rms_norm", {"d": d}, None)
     wy, winv = ref.rms_norm(x, w, eps=0.0)
     _rows_close("y", y, wy, dtype, 1e-6)
     _inv_close(inv, winv, inf_rows)
@@ -152,12 +152,12 @@ def test_qk_norm_rope_units_outside_the_square_range(queue, dtype, hd, half, par
     table = ref.rope_table(len(SCALES), max(half, 1))[:, :half]
     x_, w_, dy_ = to_device(queue, x, w, dy)
     rope_ = cla.to_device(queue, np.ascontiguousarray(table)) if half else None
-    tuning.override("qk_norm_rope", {"hd": hd, "st": clops.args.storage(dtype)}, params)
+    tuning.override("qk_norm_rope", {"hd": hd}, params)
     try:
         y, inv = clops.qk_norm_rope(queue, x_, w_, rope_, eps=0.0)
         dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
     finally:
-        tuning.override("qk_norm_rope", {"hd": hd, "st": clops.args.storage(dtype)}, None)
+        tuning.override("qk_norm_rope", {"hd": hd}, None)
     wy, winv = ref.qk_norm_rope(x, w, table, eps=0.0)
     wdx, wdw = ref.qk_norm_rope_bwd(x, w, winv, table, dy)
     inf_units = np.zeros((len(SCALES), heads), bool)
