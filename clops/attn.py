@@ -506,13 +506,15 @@ def _bwd_mma_heuristic(pass_):
         p = {"nw": 2, "bk": 16, "af": 1}
         if dev.type & cl.device_type.GPU:
             # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps and 32
-            # keys; dkv 4 warps and 32 query rows up to hd 128, above 8 warps and half the columns a
-            # group; the A operands held in registers (at hd 256 too, spilling: 4.50 ms for dq
-            # against 5.77 read at each step)
-            p = {"nw": 8 if big else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
+            # keys; dkv 4 warps and 32 query rows, above hd 128 the column halves in the two warps of
+            # a pair (qwen-hd256: 6.12 ms against 9.65 in two groups; at hd 128 3.52 against 2.67 whole);
+            # the A operands held in registers (dq at hd 256 too, spilling: 4.50 ms against 5.77 read at
+            # each step)
+            p = {"nw": 8 if big and pass_ == "dq" else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
         if pass_ == "dkv":
-            p["cs"] = 2 if big and dev.type & cl.device_type.GPU else 1
-            p["sx"] = 1
+            gpu_big = big and dev.type & cl.device_type.GPU
+            p["cs"] = 2 if gpu_big and sc["hd"] % 16 == 0 else 1
+            p["sx"] = 2 if gpu_big and sc["hd"] % 32 == 0 else 1
         while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
             p["bk"] //= 2
         return p
