@@ -167,8 +167,8 @@ def cos_sin(vw):
 </%def>
 
 ## The backward's stores of dx (`dx`: its formula of the vectors w{h}, g{h}[k], x{h}[k], h the
-## half a or b) and its terms of the gain gradient's sums (`term`, of g{h}[k] and x{h}[k]).
-<%def name="dx_step(dx, term)">
+## half a or b).
+<%def name="dx_step(dx)">
             #pragma unroll
             for (uint k = 0; k < CH; ++k) {
                 const uint s = t + k * TPU;
@@ -176,13 +176,11 @@ def cos_sin(vw):
                     const vec wa = ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset;
                     ${storev(st, v, dx.format(h="a"), "dx", "base + FIRST(k, s)")};
                 }
-                acca[k] += ${term.format(h="a")};
 % if half:
                 if (ok && PAIR(k, s)) {
                     const vec wb = ${loadv(wst, v, "w", "s + NP")} + w_offset;
                     ${storev(st, v, dx.format(h="b"), "dx", "base + s + NP")};
                 }
-                accb[k] += ${term.format(h="b")};
 % endif
             }
 </%def>
@@ -358,12 +356,22 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
 % endif
         ${unit_sum("total", "s_", "sums" if tpu > 1 and not tree else "scratch", tpu)}
         if (scaled) {
-            // dx = 2^−se·ivs·(w·g − x̂·c), c = Σ g·w·x̂ / HD (inv·w·g − x·inv³/HD·Σ g·w·x); dw's terms g·x̂.
+            // dx = 2^−se·ivs·(w·g − x̂·c), c = Σ g·w·x̂ / HD (inv·w·g − x·inv³/HD·Σ g·w·x).
             const float c = total / HD;
-            ${dx_step("ldexp(ivs * (w{h} * g{h}[k] - x{h}[k] * c), (ivec)(-se))", "g{h}[k] * x{h}[k]")}
+            ${dx_step("ldexp(ivs * (w{h} * g{h}[k] - x{h}[k] * c), (ivec)(-se))")}
         } else {
             const float coef = total / HD * iv * iv * iv;
-            ${dx_step("iv * w{h} * g{h}[k] - x{h}[k] * coef", "g{h}[k] * x{h}[k] * iv")}
+            ${dx_step("iv * w{h} * g{h}[k] - x{h}[k] * coef")}
+        }
+        // dw's terms g·x·inv, g·x̂ where scaled, out of the branches above (in them, PoCL 6.0 computed the
+        // sums wrong at 4 work-items a unit over vectors of 1, though no unit was scaled)
+        const float acc_inv = scaled ? 1.0f : iv;
+        #pragma unroll
+        for (uint k = 0; k < CH; ++k) {
+            acca[k] += ga[k] * xa[k] * acc_inv;
+% if half:
+            accb[k] += gb[k] * xb[k] * acc_inv;
+% endif
         }
     }
     // The segments' sums: each segment's vectors into buf (every vector of a unit is one slot's),
