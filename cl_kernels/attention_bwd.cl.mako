@@ -329,11 +329,7 @@ ${step2}\
 ## by their zero coefficient: 0·NaN would carry a NaN row of X to gradients that do not depend on it.
 ## first_chunk: step 2's first row `jlo` and, unless step 1 left X in local memory, its first
 ## chunk fetched into registers. dkv and dq fetch it inside step 1 (scores' `step2`), after the
-## last chunk of Q·Kᵀ and before P and dS are computed, so the loads overlap that work; and no
-## global load follows the barrier between P and dS in the dS half. PoCL 6.0 (LLVM 18, its
-## default work-group method) dropped the dS half's code (no dS was ever written; dK and stored
-## dQ garbage) when step 2's first fetch sat between that barrier and step 2's first barrier
-## (SPLIT = 2, DC < HD: tests/test_oclgrind.py's halves_kv); see tests/test_attention_bwd.py.
+## last chunk of Q·Kᵀ and before P and dS are computed, so the loads overlap that work.
 <%def name="first_chunk(srcs, jlo, pos0)">
         const uint jlo = ${jlo};
 % if not staged_hd:

@@ -363,8 +363,7 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
             const float coef = total / HD * iv * iv * iv;
             ${dx_step("iv * w{h} * g{h}[k] - x{h}[k] * coef")}
         }
-        // dw's terms g·x·inv, g·x̂ where scaled, out of the branches above (in them, PoCL 6.0 computed the
-        // sums wrong at 4 work-items a unit over vectors of 1, though no unit was scaled)
+        // dw's terms g·x·inv, g·x̂ where scaled, out of the branches above
         const float acc_inv = scaled ? 1.0f : iv;
         #pragma unroll
         for (uint k = 0; k < CH; ++k) {

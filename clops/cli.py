@@ -25,6 +25,9 @@ def info(args):
     for pi, di, plat, dev in runtime.all_devices():
         if di == 0:
             print(f"platform {pi}: {plat.name.strip()} ({plat.version.strip()})")
+            fault = runtime.compiler_fault(dev)
+            if fault:
+                print(f"  known fault: {fault}")
         print(f"  device {pi}:{di}: {dev.name.strip()}")
         for line in _device_lines(dev):
             print(line)

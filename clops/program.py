@@ -31,7 +31,7 @@ import pyopencl as cl
 from mako.lookup import TemplateLookup
 
 from . import __version__
-from .runtime import device_identity
+from .runtime import compiler_fault, device_identity
 
 log = logging.getLogger("clops")
 
@@ -241,7 +241,14 @@ def kernels(queue, template, params, *, work_group_size=None, options=()):
         return found
 
 
+_faults_told = set()  # platform versions whose compiler fault a warning has named
+
+
 def _build(ctx, dev, template, params, source, key, options, sites):
+    fault = compiler_fault(dev)
+    if fault and dev.platform.version not in _faults_told:
+        _faults_told.add(dev.platform.version)
+        warnings.warn(fault, RuntimeWarning, stacklevel=2)
     if os.environ.get("CLOPS_KEEP_SOURCE"):
         kept = _keep_source(template, key, source)
         log.info("kept source of %s at %s", template, kept)

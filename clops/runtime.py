@@ -6,6 +6,7 @@ folder of ``.icd`` files when the ``cpu`` extra is installed but unregistered.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import sys
@@ -191,3 +192,29 @@ def default_reason():
 def device_identity(dev):
     """(platform, device, driver version): the identity cache keys and tuning files use."""
     return (dev.platform.name.strip(), dev.name.strip(), dev.driver_version.strip())
+
+
+def _preloaded(symbol):
+    """Whether a library loaded into the process's global scope (LD_PRELOAD) defines ``symbol``."""
+    try:
+        return hasattr(ctypes.CDLL(None), symbol)
+    except OSError:  # no dlopen(NULL) here
+        return False
+
+
+# tools/pocl_free_quarantine.c, preloaded: PoCL 5.x and 6.x's kernel compiler cannot meet its fault
+QUARANTINED = _preloaded("pocl_free_quarantine")
+
+
+def compiler_fault(dev):
+    """A line saying that ``dev``'s OpenCL compiler is known to build clops' kernels wrong, or None.
+
+    PoCL 5.x and 6.x build kernels that use barriers wrong at random (README: known limitations;
+    tools/pocl_vua_repro.py), unless the process runs with tools/pocl_free_quarantine.c preloaded."""
+    version = dev.platform.version
+    major = next((v for v in ("5", "6") if f" PoCL {v}." in version), None)
+    if major is None or QUARANTINED:
+        return None
+    return (f"PoCL {major}.x ({version.strip()}) builds kernels that use barriers wrong at random, so "
+            "results may be wrong (a stale cache in its kernel compiler, fixed in PoCL 7.0): use PoCL 7 or "
+            "3, or preload tools/pocl_free_quarantine.c of clops' repository (README: known limitations)")

@@ -2,7 +2,6 @@
 import ml_dtypes
 import numpy as np
 import pyopencl.array as cla
-import pytest
 
 
 def to_device(queue, *arrays):
@@ -11,16 +10,6 @@ def to_device(queue, *arrays):
 
 
 NARROW = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]  # the 16-bit storage dtypes
-
-
-def expect_fault(request, device, runtime, what):
-    """Mark the running test an expected failure on ``runtime`` ("PoCL 6.0": Debian 13's PoCL; "Intel":
-    Intel's CPU runtime), a known fault of that runtime's build of ``what`` (the README's known
-    limitations): it still runs, and passes everywhere else."""
-    plat = device.platform
-    if "PoCL 6." in plat.version if runtime == "PoCL 6.0" else runtime in plat.name:
-        request.node.add_marker(pytest.mark.xfail(reason=f"{runtime} computes {what} wrong (README: known "
-                                                         "limitations)", strict=False))
 
 
 def narrow_ulps(dtype, f32_tol):

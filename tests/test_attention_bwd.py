@@ -155,10 +155,8 @@ def test_tile_variants(queue, kind, params):
         tuning.override(op, {"hd": 40}, None)
 
 
-# PoCL 6.0 (LLVM 18) compiled attn_bwd_dkv at these tiles (SPLIT = 2, DC < HD: the halves of
-# tests/test_oclgrind.py) without the dS half's code when step 2's first global fetch followed
-# the barrier between P and dS: no dS written, dK (and dQ from stored dS) garbage, dV right.
-# The template now fetches that chunk before P and dS (first_chunk in attention_bwd.cl.mako).
+# The halves of tests/test_oclgrind.py (SPLIT = 2) with a chunked head dim (DC < HD): step 2's
+# first chunk fetched inside step 1, the dS half writing dS for dK and the stored dQ.
 @pytest.mark.parametrize("hd", [8, 16])
 def test_split_halves_with_chunked_head_dim(queue, hd):
     tiles = {"wg": 8, "split": 2, "bq": 8, "bk": 8, "sq": 2, "sk": 8, "dc": 4, "jc": 4, "tr": 2, "td": hd, "vw": 1}

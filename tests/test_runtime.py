@@ -1,8 +1,9 @@
 """Runtime: the program cache, template rendering, device selection, CPU-runtime registration,
-and the package as installed from a wheel."""
+known compiler faults, and the package as installed from a wheel."""
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,33 @@ def test_build_warnings_ignore_driver_notes():
                     "inlined when called.\nsrc.cl:3:5: warning: unused variable 'x'\nCompilation done\n")
 
     assert program.build_warnings(Log(), None) == "src.cl:3:5: warning: unused variable 'x'"
+
+
+# platform versions as the runtimes report them (PoCL's, Intel's CPU runtime's, NVIDIA's)
+POCL = "OpenCL 3.0 PoCL {}+debian  Linux, None+Asserts, RELOC, SPIR-V, LLVM 18.1.8, SLEEF, DISTRO, POCL_DEBUG"
+
+
+@pytest.mark.parametrize("version, faulty", [(POCL.format("5.0"), "PoCL 5.x"), (POCL.format("6.0"), "PoCL 6.x"),
+                                             (POCL.format("3.1"), None), (POCL.format("7.1"), None),
+                                             ("OpenCL 3.0 LINUX", None), ("OpenCL 3.0 CUDA 13.0.88", None)])
+def test_compiler_fault_names_pocl_5_and_6(monkeypatch, version, faulty):
+    dev = types.SimpleNamespace(platform=types.SimpleNamespace(version=version))
+    monkeypatch.setattr(runtime, "QUARANTINED", False)
+    fault = runtime.compiler_fault(dev)
+    assert fault is None if faulty is None else fault.startswith(faulty) and "README" in fault
+    monkeypatch.setattr(runtime, "QUARANTINED", True)  # tools/pocl_free_quarantine.c preloaded
+    assert runtime.compiler_fault(dev) is None
+
+
+def test_preloaded_finds_symbols_of_the_global_scope():
+    assert runtime._preloaded("malloc") and not runtime._preloaded("clops_no_such_symbol")
+
+
+def test_a_compiler_fault_is_told_once_per_platform(ctx_factory, monkeypatch):
+    monkeypatch.setattr(program, "compiler_fault", lambda dev: "this compiler builds kernels wrong")
+    monkeypatch.setattr(program, "_faults_told", set())
+    contexts = [ctx_factory(), ctx_factory()]  # held: Intel's CPU runtime loses an unreferenced one
+    with pytest.warns(RuntimeWarning, match="this compiler builds kernels wrong") as told:
+        for ctx, params in zip(contexts, (PARAMS, dict(PARAMS, vw=4))):  # two builds
+            kernels(cl.CommandQueue(ctx), "elementwise.cl.mako", params)
+    assert len([w for w in told if "builds kernels wrong" in str(w.message)]) == 1
