@@ -142,7 +142,8 @@ def select_device(selector=None):
 
     The selector is ``"P:D"`` platform/device indices, or a case-insensitive
     substring of the platform or device name. Without one, a GPU is preferred
-    over an accelerator over a CPU, then the platform order.
+    over an accelerator over a CPU, then a device whose compiler has no known fault
+    (:func:`compiler_fault`), then the platform order.
     """
     devices = found_devices()
     if selector:
@@ -157,9 +158,11 @@ def select_device(selector=None):
             if sel.lower() in plat.name.lower() or sel.lower() in dev.name.lower():
                 return dev, f"CLOPS_DEVICE={selector!r} matches {plat.name.strip()} / {dev.name.strip()}"
         raise DeviceError(f"CLOPS_DEVICE={selector!r} matches no platform or device name; {_choices(devices)}")
-    _, _, plat, dev = min(devices, key=lambda t: (_type_rank(t[3]), t[0], t[1]))
-    kind = device_kind(dev)
-    return dev, f"no selector: first {kind} device (GPUs are preferred over CPUs)"
+    _, _, _, dev = min(devices, key=lambda t: (_type_rank(t[3]), compiler_fault(t[3]) is not None, t[0], t[1]))
+    passed = [f"{p.name.strip()} / {d.name.strip()}" for _, _, p, d in devices
+              if _type_rank(d) == _type_rank(dev) and compiler_fault(d)]
+    why = f"; passed over for a known compiler fault: {', '.join(passed)}" if passed and not compiler_fault(dev) else ""
+    return dev, f"no selector: first {device_kind(dev)} device (GPUs are preferred over CPUs){why}"
 
 
 def default_context():

@@ -189,3 +189,20 @@ def test_a_compiler_fault_is_told_once_per_platform(ctx_factory, monkeypatch):
         for ctx, params in zip(contexts, (PARAMS, dict(PARAMS, vw=4))):  # two builds
             kernels(cl.CommandQueue(ctx), "elementwise.cl.mako", params)
     assert len([w for w in told if "builds kernels wrong" in str(w.message)]) == 1
+
+
+def test_default_device_passes_over_a_faulty_compiler(monkeypatch):
+    def device(name, version, kind=cl.device_type.CPU):
+        plat = types.SimpleNamespace(name=name, version=version)
+        return types.SimpleNamespace(name=name + " device", type=kind, platform=plat)
+
+    pocl5, intel = device("Portable Computing Language", POCL.format("5.0")), device("Intel(R) OpenCL", "OpenCL 3.0 LINUX")
+    monkeypatch.setattr(runtime, "QUARANTINED", False)
+    monkeypatch.setattr(runtime, "found_devices", lambda: [(0, 0, pocl5.platform, pocl5), (1, 0, intel.platform, intel)])
+    dev, reason = runtime.select_device()
+    assert dev is intel and "passed over for a known compiler fault: Portable Computing Language" in reason
+    gpu = device("NVIDIA CUDA", "OpenCL 3.0 CUDA 13.0.88", cl.device_type.GPU)  # a GPU still comes first
+    monkeypatch.setattr(runtime, "found_devices", lambda: [(0, 0, pocl5.platform, pocl5), (1, 0, gpu.platform, gpu)])
+    assert runtime.select_device() == (gpu, "no selector: first GPU device (GPUs are preferred over CPUs)")
+    monkeypatch.setattr(runtime, "found_devices", lambda: [(0, 0, pocl5.platform, pocl5)])  # the only one: taken
+    assert runtime.select_device()[0] is pocl5
