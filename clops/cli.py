@@ -1,8 +1,11 @@
-"""``python -m clops``: info, check, bench, tune."""
+"""``python -m clops``: info, check, bench, tune, train-demo, pocl-quarantine."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+import platformdirs
 
 import pyopencl as cl
 
@@ -64,12 +67,29 @@ def check(args):
     return 1 if failed or not rows else 0
 
 
+def pocl_quarantine(args):
+    path = os.path.abspath(args.output)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        cc = runtime.build_quarantine(path)
+    except RuntimeError as e:
+        print(f"clops: {e}", file=sys.stderr)
+        return 1
+    print(f"built {path} with {cc}; run clops' programs as\n  LD_PRELOAD={path} python ...\n"
+          "(PoCL 5.x and 6.x then build kernels right; README: known limitations)")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m clops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="platforms, devices, limits, extensions, the chosen device and why")
     p = sub.add_parser("check", help="every op against the float64 reference on the chosen device")
     p.add_argument("--family", action="append", choices=FAMILIES, help="only this op family (repeatable)")
+    p = sub.add_parser("pocl-quarantine", help="build the library that keeps PoCL 5.x and 6.x from building kernels "
+                       "wrong (preload it: README, known limitations)")
+    p.add_argument("--output", default=os.path.join(platformdirs.user_cache_dir("clops"), "pocl_free_quarantine.so"),
+                   help="the library to write (default: %(default)s)")
     sub.add_parser("bench", help="benchmarks (see `python -m clops bench --help`)", add_help=False)
     sub.add_parser("tune", help="template-parameter sweeps (see `python -m clops tune --help`)", add_help=False)
     sub.add_parser("train-demo", help="train a small language model on clops (see `python -m clops train-demo --help`)",
@@ -82,7 +102,7 @@ def main(argv=None):
 
             return importlib.import_module(f"clops.{tools[argv[0]]}").main(argv[1:])
         args = parser.parse_args(argv)
-        return {"info": info, "check": check}[args.command](args)
+        return {"info": info, "check": check, "pocl-quarantine": pocl_quarantine}[args.command](args)
     except runtime.DeviceError as e:
         print(f"clops: {e}", file=sys.stderr)
         return 1

@@ -205,19 +205,48 @@ def _preloaded(symbol):
         return False
 
 
-# tools/pocl_free_quarantine.c, preloaded: PoCL 5.x and 6.x's kernel compiler cannot meet its fault
+# clops/pocl_free_quarantine.c, preloaded: PoCL 5.x and 6.x's kernel compiler cannot meet its fault
 QUARANTINED = _preloaded("pocl_free_quarantine")
+QUARANTINE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pocl_free_quarantine.c")
 
 
 def compiler_fault(dev):
     """A line saying that ``dev``'s OpenCL compiler is known to build clops' kernels wrong, or None.
 
     PoCL 5.x and 6.x build kernels that use barriers wrong at random (README: known limitations;
-    tools/pocl_vua_repro.py), unless the process runs with tools/pocl_free_quarantine.c preloaded."""
+    tools/pocl_vua_repro.py), unless the process runs with clops/pocl_free_quarantine.c preloaded."""
     version = dev.platform.version
     major = next((v for v in ("5", "6") if f" PoCL {v}." in version), None)
     if major is None or QUARANTINED:
         return None
     return (f"PoCL {major}.x ({version.strip()}) builds kernels that use barriers wrong at random, so "
             "results may be wrong (a stale cache in its kernel compiler, fixed in PoCL 7.0): use PoCL 7 or "
-            "3, or preload tools/pocl_free_quarantine.c of clops' repository (README: known limitations)")
+            "3, or run `python -m clops pocl-quarantine` and preload the library it builds (README: known "
+            "limitations)")
+
+
+def _c_compilers():
+    """C compilers to try: $CC, cc, gcc, clang, then versioned clangs (PoCL's packages depend on one)."""
+    versioned = sorted({os.path.basename(f) for d in os.environ.get("PATH", "").split(os.pathsep) if d
+                        for f in glob.glob(os.path.join(d, "clang-[0-9]*"))}, reverse=True)
+    return [c for c in [os.environ.get("CC"), "cc", "gcc", "clang", *versioned] if c]
+
+
+def build_quarantine(path):
+    """Compile clops/pocl_free_quarantine.c into the shared library ``path`` with the first C compiler
+    that succeeds; return the compiler's name, or raise RuntimeError naming those tried."""
+    import subprocess
+
+    tried = []
+    for cc in _c_compilers():
+        try:
+            res = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", path, QUARANTINE_SOURCE, "-ldl"],
+                                 capture_output=True, text=True)
+        except OSError:
+            tried.append(f"{cc} (not found)")
+            continue
+        if res.returncode == 0:
+            return cc
+        tried.append(f"{cc} ({(res.stderr.strip().splitlines() or ['failed'])[-1]})")
+    raise RuntimeError(f"no C compiler built {QUARANTINE_SOURCE}: tried {'; '.join(tried)}; install gcc or "
+                       "clang, or set CC")

@@ -1,5 +1,6 @@
 """Runtime: the program cache, template rendering, device selection, CPU-runtime registration,
 known compiler faults, and the package as installed from a wheel."""
+import ctypes
 import os
 import subprocess
 import sys
@@ -133,11 +134,13 @@ def test_registration_writes_icd_folder(tmp_path, monkeypatch):
 
 
 def test_installed_package_renders_every_template(tmp_path):
-    """A wheel install carries cl_kernels/ inside the package, and every op runs from it."""
+    """A wheel install carries cl_kernels/ (and the PoCL quarantine's source) inside the package, and every
+    op runs from it."""
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(ROOT)], check=True)
     shipped = sorted(p.name for p in (site / "clops" / "cl_kernels").glob("*.mako"))
     assert shipped == sorted(p.name for p in (ROOT / "cl_kernels").glob("*.mako"))
+    assert (site / "clops" / "pocl_free_quarantine.c").is_file()
     env = dict(os.environ, PYTHONPATH=str(site))
     code = ("import clops, clops.program as p; assert p.KERNEL_DIR.is_relative_to(%r), p.KERNEL_DIR; "
             "from clops.cli import main; raise SystemExit(main(['check']))" % str(site))
@@ -173,7 +176,7 @@ def test_compiler_fault_names_pocl_5_and_6(monkeypatch, version, faulty):
     monkeypatch.setattr(runtime, "QUARANTINED", False)
     fault = runtime.compiler_fault(dev)
     assert fault is None if faulty is None else fault.startswith(faulty) and "README" in fault
-    monkeypatch.setattr(runtime, "QUARANTINED", True)  # tools/pocl_free_quarantine.c preloaded
+    monkeypatch.setattr(runtime, "QUARANTINED", True)  # clops/pocl_free_quarantine.c preloaded
     assert runtime.compiler_fault(dev) is None
 
 
@@ -206,3 +209,20 @@ def test_default_device_passes_over_a_faulty_compiler(monkeypatch):
     assert runtime.select_device() == (gpu, "no selector: first GPU device (GPUs are preferred over CPUs)")
     monkeypatch.setattr(runtime, "found_devices", lambda: [(0, 0, pocl5.platform, pocl5)])  # the only one: taken
     assert runtime.select_device()[0] is pocl5
+
+
+def test_pocl_quarantine_builds_the_preloadable_library(tmp_path, capsys):
+    from clops import cli
+
+    lib = tmp_path / "q" / "quarantine.so"
+    assert cli.main(["pocl-quarantine", "--output", str(lib)]) == 0
+    assert f"LD_PRELOAD={lib}" in capsys.readouterr().out
+    assert hasattr(ctypes.CDLL(str(lib)), "pocl_free_quarantine")  # the symbol clops looks for
+
+
+def test_pocl_quarantine_names_the_compilers_it_tried(tmp_path, monkeypatch, capsys):
+    from clops import cli
+
+    monkeypatch.setattr(runtime, "_c_compilers", lambda: ["clops-no-such-cc"])
+    assert cli.main(["pocl-quarantine", "--output", str(tmp_path / "q.so")]) == 1
+    assert "clops-no-such-cc (not found)" in capsys.readouterr().err

@@ -5,7 +5,7 @@ one small kernel built many times (each a new build), each build run and checked
 
 Prints the wrong builds and exits 1 on an affected PoCL (5.0: about 10 in 100 builds, 6.0: about
 5 in 100, on a skylake-avx512 CPU); prints "ok" on PoCL 3.x and 7.x, and under
-tools/pocl_free_quarantine.c (LD_PRELOAD). PoCL's kernel cache is turned off
+clops/pocl_free_quarantine.c (LD_PRELOAD; `python -m clops pocl-quarantine`). PoCL's kernel cache is turned off
 (POCL_KERNEL_CACHE=0): with it on, the files it writes change what the build reuses and wrong
 builds are rarer here (they still happen: clops' test suite met them with the cache on).
 

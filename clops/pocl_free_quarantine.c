@@ -6,8 +6,8 @@
    drops the entries of deleted values: a new instruction placed at such an address inherits the
    stale result, and a varying value taken for uniform gets no copy per work-item.
 
-       clang -O2 -shared -fPIC -o pocl_free_quarantine.so tools/pocl_free_quarantine.c -ldl
-       LD_PRELOAD=$PWD/pocl_free_quarantine.so python ...
+       python -m clops pocl-quarantine   (or: cc -O2 -shared -fPIC -o q.so pocl_free_quarantine.c -ldl)
+       LD_PRELOAD=<the library it built> python ...
 
    clops then no longer warns about the fault (clops.runtime.QUARANTINED). It costs memory (at
    most QUARANTINE blocks of SMALL bytes a thread) and some speed (tests/test_attention_bwd.py took 88 s
