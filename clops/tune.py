@@ -209,9 +209,10 @@ def _mma_mode(queue, sc, taken):
     (clops.mma.forward_product or backward_product) on this device."""
     mode = "fma" if sc["product"] == "fma" else "1"
     with mma.using(mode):
-        product = taken(queue, sc["st"])[0]
+        product, reason = taken(queue, sc["st"])
     if product != sc["product"]:
-        raise ValueError(f"--class product={sc['product']}: at st={sc['st']} this device takes {product}")
+        raise ValueError(f"--class product={sc['product']}: at st={sc['st']} this device takes "
+                         f"{product or 'the portable kernels'} ({reason}); product=fma runs anywhere")
     return mode
 
 
@@ -694,7 +695,8 @@ def main(argv=None, queue=None):
     p = argparse.ArgumentParser(prog="python -m clops tune", description=__doc__.split("\n\n")[0])
     p.add_argument("op", nargs="?", help="tuning-database op name (--list shows them)")
     p.add_argument("--list", action="store_true", help="list the op families, their parameters and restrictions")
-    p.add_argument("--class", dest="sclass", action="append", metavar="K=V", help="shape class entry, e.g. hd=128")
+    p.add_argument("--class", dest="sclass", action="append", metavar="K=V",
+                   help="shape class entry, e.g. hd=128 (--list shows each op's keys)")
     p.add_argument("--size", action="append", metavar="K=V", help="problem size entry, e.g. rows=4096")
     p.add_argument("--param", action="append", metavar="NAME=V1,V2",
                    help="candidates of one parameter, in order (replaces the family's list)")
@@ -724,7 +726,13 @@ def main(argv=None, queue=None):
     if fam is None:
         print(f"unknown op {a.op!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)
         return 2
-    sc = dict(fam.shape_class, **{k: _value(v) for k, v in _pairs(a.sclass, "--class").items()})
+    classes = _pairs(a.sclass, "--class")
+    for k in classes:
+        if k not in fam.shape_class:  # an entry under another key is one the op never looks up
+            print(f"--class {k}: {fam.op}'s shape class has no {k!r} (it has {', '.join(fam.shape_class) or 'none'})",
+                  file=sys.stderr)
+            return 2
+    sc = dict(fam.shape_class, **{k: _value(v) for k, v in classes.items()})
     problem = dict(fam.problem(sc, a.small), **{k: int(v) for k, v in _pairs(a.size, "--size").items()})
     space = fam.space(sc)
     for k, v in _pairs(a.param, "--param").items():
