@@ -582,9 +582,11 @@ def _names(head, results):
 
 
 def current_params(head, results, current):
-    """The parameters the op used without an override (read from its launches): ``current``'s configuration."""
+    """The parameters the op used without an override: ``current``'s configuration, read from its last
+    launch of a kernel that takes them all (not, say, the column sum a one-pass backward ends with)."""
     names = _names(head, results)
-    return {k: v for used in current.get("used", {}).values() for k, v in used.items() if k in names}
+    own = [used for used in current.get("used", {}).values() if all(k in used for k in names)]
+    return {k: own[-1][k] for k in names} if own else {}
 
 
 def comparison(head, results, current):

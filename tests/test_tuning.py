@@ -257,4 +257,7 @@ def test_every_family_sweeps_through_the_command_line(queue, tuning_dirs, tmp_pa
     if name.startswith("attention"):
         argv += ["--size", "windows=1", "--size", "window=16", "--size", "nh=2", "--size", "nkv=1"]
     assert tune.main(argv, queue=queue) == 0, capsys.readouterr().out[-2000:]
-    assert "1 configurations: 1 correct" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 configurations: 1 correct" in out
+    # the op's own configuration, not the last kernel's (rms_norm_bwd_dw's column sum has a wg and vw of its own)
+    assert "current configuration " + tune._fmt({k: current[k] for k in fam.space(sc)}) in out
