@@ -166,7 +166,7 @@ def select_device(selector=None):
 
 
 def default_context():
-    """The process-wide default context (``PYOPENCL_CTX``, else ``CLOPS_DEVICE``, else the best device)."""
+    """The process-wide default context (``CLOPS_DEVICE``, else ``PYOPENCL_CTX``, else the best device)."""
     with _choice_lock:
         if "context" not in _default:
             if os.environ.get("PYOPENCL_CTX") and not os.environ.get("CLOPS_DEVICE"):
