@@ -84,7 +84,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m clops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="platforms, devices, limits, extensions, the chosen device and why")
-    p = sub.add_parser("check", help="every op against the float64 reference on the chosen device")
+    p = sub.add_parser("check", help="every op but gemm, at float32, against the float64 reference on the chosen "
+                                     "device")
     p.add_argument("--family", action="append", choices=FAMILIES, help="only this op family (repeatable)")
     p = sub.add_parser("pocl-quarantine", help="build the library that keeps PoCL 5.x and 6.x from building kernels "
                        "wrong (preload it: README, known limitations)")
