@@ -189,9 +189,14 @@ observers = {}
 _switches = {}
 
 
+def env_flag(name):
+    """Whether the switch ``name`` is set in the environment: any value but empty and ``0``."""
+    return os.environ.get(name, "") not in ("", "0")
+
+
 def reload_switches():
     """Read ``CLOPS_CHECKED`` again: it is read when clops is imported, not at every op call."""
-    _switches["checked"] = os.environ.get("CLOPS_CHECKED", "") not in ("", "0")
+    _switches["checked"] = env_flag("CLOPS_CHECKED")
 
 
 reload_switches()
@@ -249,7 +254,7 @@ def _build(ctx, dev, template, params, source, key, options, sites):
     if fault and dev.platform.version not in _faults_told:
         _faults_told.add(dev.platform.version)
         warnings.warn(fault, RuntimeWarning, stacklevel=2)
-    if os.environ.get("CLOPS_KEEP_SOURCE"):
+    if env_flag("CLOPS_KEEP_SOURCE"):
         kept = _keep_source(template, key, source)
         log.info("kept source of %s at %s", template, kept)
     start = time.perf_counter()
@@ -259,14 +264,14 @@ def _build(ctx, dev, template, params, source, key, options, sites):
             warnings.simplefilter("ignore", cl.CompilerWarning)
             # Checked builds skip the binary cache too: programs loaded from binaries may lack
             # the argument names they read.
-            if os.environ.get("CLOPS_NO_CACHE") or params.get("checked"):
+            if env_flag("CLOPS_NO_CACHE") or params.get("checked"):
                 # A Program made from a raw _Program takes pyopencl's uncached build path.
                 prg = cl.Program(cl._cl._Program(ctx, source)).build(options=list(options), devices=[dev])
             else:
                 prg = cl.Program(ctx, source).build(options=list(options), devices=[dev], cache_dir=cache_dir())
     except cl.Error as e:
         head = "\n".join(str(e).splitlines()[:30])
-        hint = "" if os.environ.get("CLOPS_KEEP_SOURCE") else " (set CLOPS_KEEP_SOURCE=1 to keep the source)"
+        hint = "" if env_flag("CLOPS_KEEP_SOURCE") else " (set CLOPS_KEEP_SOURCE=1 to keep the source)"
         raise BuildError(f"building {template} with {params} failed on {dev.name.strip()}{hint}:\n{head}") from None
     build_log = build_warnings(prg, dev)
     if build_log:

@@ -226,3 +226,12 @@ def test_pocl_quarantine_names_the_compilers_it_tried(tmp_path, monkeypatch, cap
     monkeypatch.setattr(runtime, "_c_compilers", lambda: ["clops-no-such-cc"])
     assert cli.main(["pocl-quarantine", "--output", str(tmp_path / "q.so")]) == 1
     assert "clops-no-such-cc (not found)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+def test_switches_read_zero_as_off(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("CLOPS_NO_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("CLOPS_NO_CACHE", value)
+    assert program.env_flag("CLOPS_NO_CACHE") is on
