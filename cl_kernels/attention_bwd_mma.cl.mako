@@ -192,9 +192,9 @@ ${tp.locals(kind, quads=False)}\
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
 
     // D = Σ dO·O of rows g and g + 8, stored for the dkv pass, and lse·log2 e of the rows. Each
-    // lane sums the whole rows (the quad's lanes agree without a reduction: with the portable
-    // products' quad reduction through local memory here, Intel's CPU runtime gave a wrong dQ, dK
-    // and dV right; not understood).
+    // lane sums the whole rows (the quad's lanes agree without a reduction; the portable products'
+    // quad reduction through local memory here made Intel's CPU runtime compute a float32 dQ wrong
+    // too: its fault with a negated value live across barriers, −l2 here; README: known limitations).
     float dd[2] = {0.0f, 0.0f}, l2[2] = {0.0f, 0.0f};
     #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -531,9 +531,12 @@ def _bwd_mma_rules(p, sc):
 
 
 def _intel_dq_workaround(dev, sc):
-    """Intel's CPU runtime (2026.2) computes the dq pass with the portable products at 16-bit storage
-    wrong when it optimises (P without its lse: dq·exp(lse)); built unoptimised it is right. The
-    portable products run there only under CLOPS_MMA=fma (tests/test_attention_mma.py pins it)."""
+    """Intel's CPU runtime (2026.2), optimising, keeps one copy per work-group of a negated value
+    that lives across a barrier (README: known limitations; tools/intel_fneg_repro.py): in the dq
+    pass with the portable products at 16-bit storage, −lse·log2 e, hoisted before the key loop's
+    barriers, so every row's P took another row's lse. Built unoptimised it is right. The portable
+    products run there only under CLOPS_MMA=fma (tests/test_attention_mma.py runs them;
+    tests/test_portability.py pins the fault and this choice)."""
     intel_cpu = "Intel" in dev.platform.name and dev.type & cl.device_type.CPU
     return ("-cl-opt-disable",) if intel_cpu and sc["product"] == "fma" and sc["st"] != "float" else ()
 
