@@ -63,6 +63,20 @@ inline float lane_value(float x, uint src)
     asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(src));
     return y;
 }
+// Copies global → local without registers (cp.async, sm_80 on): `bytes` of the 16 read, the rest
+// zero-filled; complete for the issuing work-item once `landed` leaves fewer groups pending than
+// there were after it, for the others after a barrier too. The local address is the __local
+// pointer's own value, as for ldmatrix below.
+inline void cp_async16(__local void *dst, __global const void *src, uint bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
+}
+inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
+}
 % endif
 % if kind == "tf32x3":
 inline uint tf32(float x)
@@ -103,19 +117,6 @@ inline void ${name}(uint *r, __local const ushort *row)
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((uint)(size_t)row) : "memory");
 }
 % endfor
-// Copies global → local without registers (cp.async, sm_80 on): `bytes` of the 16 read, the rest
-// zero-filled; complete for the issuing work-item once `landed` leaves fewer groups pending than
-// there were after it, for the others after a barrier too. Global and local addresses as for ldmatrix.
-inline void cp_async16(__local void *dst, __global const void *src, uint bytes)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
-}
-inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
-{
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                 :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
-}
 // lo and hi rounded to nearest even and packed (lo in the low half), as an A or B operand.
 inline uint pack2(float lo, float hi)
 {
@@ -361,7 +362,7 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 
 ## Staging without registers (the backward's passes): rows r0 .. r0 + BK - 1 of src (from `base`,
 ## row stride `stride`; rows past T zero) copied into dst[row * KS + d], 16 bytes a copy, by
-## cp.async on the 16-bit kinds (in flight until `landed`), by plain loads and stores on fma.
+## cp.async on the matrix-unit kinds (in flight until `landed`), by plain loads and stores on fma.
 ## `commit` closes a group of copies (one group a staging step; empty groups count too).
 <%def name="stage(kind, st, dst, src, r0, base='kbase', stride='kstride')">
 <% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
