@@ -51,27 +51,27 @@ ${common.storage(st)}\
 ${tp.decls(kind, st)}\
 
 ## P (into `p`) and dS (into `ds`) of the warp's tile from S in `p` and dP in `ds`, in place:
-## element (j, e) is query `qi`, key `kj` (C expressions of j and e); l2 and dd its query's
-## lse·log2 e and D. Pairs outside the mask or the sequence get 0 when `full` (a C condition,
+## element (j, e) is query `qi`, key `kj` (C expressions of j and e); nl2 and dd its query's
+## −lse·log2 e and D. Pairs outside the mask or the sequence get 0 when `full` (a C condition,
 ## uniform across the group: every pair of the block is inside both) is false.
-<%def name="coefficients(p, ds, qi, kj, l2, dd, full)">
+<%def name="coefficients(p, ds, qi, kj, nl2, dd, full)">
         if (${full}) {
-${coefficient_loop(p, ds, qi, kj, l2, dd, False)}\
+${coefficient_loop(p, ds, qi, kj, nl2, dd, False)}\
         } else {
-${coefficient_loop(p, ds, qi, kj, l2, dd, True)}\
+${coefficient_loop(p, ds, qi, kj, nl2, dd, True)}\
         }
 </%def>
-<%def name="coefficient_loop(p, ds, qi, kj, l2, dd, masked)">\
+<%def name="coefficient_loop(p, ds, qi, kj, nl2, dd, masked)">\
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
 % if softcap:
                     // the cap's derivative 1 − tanh² folded into dS
-                    const float th = score_tanh(${p}[j][e] * c), pe = exp2(cap * th - ${l2});
+                    const float th = score_tanh(${p}[j][e] * c), pe = exp2(cap * th + ${nl2});
                     const float dse = pe * (1.0f - th * th) * (${ds}[j][e] - ${dd}) * scale;
 % else:
-                    const float pe = exp2(${p}[j][e] * c - ${l2}), dse = pe * (${ds}[j][e] - ${dd}) * scale;
+                    const float pe = exp2(${p}[j][e] * c + ${nl2}), dse = pe * (${ds}[j][e] - ${dd}) * scale;
 % endif
 % if masked:
                     const uint qi = ${qi}, kj = ${kj};
@@ -143,7 +143,7 @@ ${tp.stage(kind, st, "dst", "dO", "qb", "qbb", "qstride")}\
 ${tp.stage_floats(kind, "dds", "dsum", "BK", lambda i: "((idx_t)%s + min(qb + %s, T - 1)) * nh + hb" % (tok0, i), lambda i: "qb + %s < T" % i)}\
 % else:
 ${tp.stage(kind, st, "qst", "q", "qb", "qbb", "qstride")}\
-${tp.stage_floats(kind, "l2s", "lse", "BK", lambda i: "((idx_t)%s + min(qb + %s, T - 1)) * nh + hb" % (tok0, i), lambda i: "qb + %s < T" % i)}\
+${tp.stage_floats(kind, "nl2s", "lse", "BK", lambda i: "((idx_t)%s + min(qb + %s, T - 1)) * nh + hb" % (tok0, i), lambda i: "qb + %s < T" % i)}\
 % endif
 ${tp.commit(kind)}\
         }
@@ -191,11 +191,12 @@ ${tp.locals(kind, quads=False)}\
     const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
 
-    // D = Σ dO·O of rows g and g + 8, stored for the dkv pass, and lse·log2 e of the rows. Each
-    // lane sums the whole rows (the quad's lanes agree without a reduction; the portable products'
-    // quad reduction through local memory here made Intel's CPU runtime compute a float32 dQ wrong
-    // too: its fault with a negated value live across barriers, −l2 here; README: known limitations).
-    float dd[2] = {0.0f, 0.0f}, l2[2] = {0.0f, 0.0f};
+    // D = Σ dO·O of rows g and g + 8, stored for the dkv pass, and −lse·log2 e of the rows, held
+    // negated: Intel's CPU runtime, optimising, keeps one copy per work-group of a negation it makes
+    // (s·c − l2 contracted to fma(s, c, −l2)) when it lives across barriers, and gave every row the
+    // last lane's (README: known limitations). Each lane sums the whole rows (the quad's lanes agree
+    // without a reduction).
+    float dd[2] = {0.0f, 0.0f}, nl2[2] = {0.0f, 0.0f};
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const uint qi = row0 + g + 8 * r;
@@ -203,7 +204,7 @@ ${tp.locals(kind, quads=False)}\
             const idx_t row = qbase + (idx_t)qi * qstride;
             for (uint d = 0; d < HD; d += 4)
                 dd[r] += dot(${load(st, 4, "o", at("o", "row + d", 4), aligned=True)}, ${load(st, 4, "dO", at("dO", "row + d", 4), aligned=True)});
-            l2[r] = lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] * LOG2E;
+            nl2[r] = lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] * -LOG2E;
         }
     }
     #pragma unroll
@@ -251,7 +252,7 @@ ${tp.stage(kind, st, "vst", "v", "k0 + BK")}\
 ${tp.commit(kind)}\
 ${zeros("s", "BK / 8")}\
 ${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
-        ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "l2[e >> 1]", "dd[e >> 1]",
+        ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "nl2[e >> 1]", "dd[e >> 1]",
                        " && ".join(["!edge"] * bool(masked) + ["q0 + BQ <= T", "k0 + BK <= T"]))}
 % if masked:
         if (edge && nonfinite[kb & 1]) {
@@ -282,7 +283,7 @@ void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restri
 {
     __local ${et} qst[BK * KS] __attribute__((aligned(16))), dst[BK * KS] __attribute__((aligned(16)));
     __local const ${et} *qs = qst, *dos = dst;  // the query block's Q and dO
-    __local float l2s[BK], dds[BK];            // their lse·log2 e and D
+    __local float nl2s[BK], dds[BK];           // their −lse·log2 e (negated: see dq) and D
     __local int nonfinite[2];                  // Q or dO of the block holds a NaN or ±Inf
 % if sx == 2:
     __local float xch[NW * 16 * BK];          // each warp's partial Sᵀ or dPᵀ, for its pair
@@ -348,7 +349,7 @@ ${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="(dos + col0)" if
 ${share("dp")}\
 % endif
 ${tp.landed(kind, 0)}\
-        for (uint i = lid; i < BK; i += WG) l2s[i] *= LOG2E;  // the entries this work-item staged
+        for (uint i = lid; i < BK; i += WG) nl2s[i] *= -LOG2E;  // the entries this work-item staged
 % if masked:
         if (edge) {  // only such a block reads the flag
 ${tp.scan(st, "qst", "nonfinite[blk & 1]")}\
@@ -367,7 +368,7 @@ ${share("s")}\
         barrier(CLK_LOCAL_MEM_FENCE);  // the pair's Sᵀ shared
 ${add_pair("s")}\
 % endif
-        ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "l2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",
+        ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "nl2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",
                        " && ".join(["!edge"] * bool(masked) + ["q0 + BK <= T", "key0 + KG <= T"]))}
 ${flagged("s", "dva", "dos", masked, seen_t)}\
         barrier(CLK_LOCAL_MEM_FENCE);  // dO and D used up

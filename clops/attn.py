@@ -530,17 +530,6 @@ def _bwd_mma_rules(p, sc):
              "sx 2 needs cs 2, an even nw and 32 dividing hd"))
 
 
-def _intel_dq_workaround(dev, sc):
-    """Intel's CPU runtime (2026.2), optimising, keeps one copy per work-group of a negated value
-    that lives across a barrier (README: known limitations; tools/intel_fneg_repro.py): in the dq
-    pass with the portable products at 16-bit storage, −lse·log2 e, hoisted before the key loop's
-    barriers, so every row's P took another row's lse. Built unoptimised it is right. The portable
-    products run there only under CLOPS_MMA=fma (tests/test_attention_mma.py runs them;
-    tests/test_portability.py pins the fault and this choice)."""
-    intel_cpu = "Intel" in dev.platform.name and dev.type & cl.device_type.CPU
-    return ("-cl-opt-disable",) if intel_cpu and sc["product"] == "fma" and sc["st"] != "float" else ()
-
-
 BWD_MMA = {pass_: Spec(
     "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk", "af") + (("cs", "sx") if pass_ == "dkv" else ()),
     lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], "af": [1, 2], **({"cs": [1, 2], "sx": [1, 2]} if pass_ == "dkv" else {})},
@@ -548,7 +537,6 @@ BWD_MMA = {pass_: Spec(
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
     render=lambda p, sc, pass_=pass_: {**PLAIN, "cs": 1, "sx": 1, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
                                        "pass_": pass_},
-    options=_intel_dq_workaround if pass_ == "dq" else None,
     doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
     for pass_ in ("dq", "dkv")}
 

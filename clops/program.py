@@ -213,15 +213,14 @@ def checked_enabled():
     return _switches["checked"]
 
 
-def kernels(queue, template, params, *, work_group_size=None, options=()):
+def kernels(queue, template, params, *, work_group_size=None):
     """{name: Kernel} of ``template`` rendered with ``params`` for ``queue``'s device.
 
     Each call renders and hashes the source: ops reach this through the memo of
     :meth:`clops.spec.Spec.kernels`, which calls it once per configuration.
 
     ``work_group_size`` (the work-items per group the parameters imply) is
-    checked against the device before anything is built; ``options`` are build options beside
-    clops' own.
+    checked against the device before anything is built.
     """
     dev = queue.device
     if work_group_size is not None and work_group_size > dev.max_work_group_size:
@@ -232,7 +231,7 @@ def kernels(queue, template, params, *, work_group_size=None, options=()):
     params = dict(params, checked=checked_enabled())
     source, sites = _render(template, params)
     # Checked builds read their kernels' argument names to find the guarded buffers.
-    options = BUILD_OPTIONS + tuple(options) + (("-cl-kernel-arg-info",) if params["checked"] else ())
+    options = BUILD_OPTIONS + (("-cl-kernel-arg-info",) if params["checked"] else ())
     ident = "\0".join((source, " ".join(options), *device_identity(dev), __version__))
     key = hashlib.sha256(ident.encode()).hexdigest()
     with _lock:

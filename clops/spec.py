@@ -65,7 +65,6 @@ class Spec:
     local_bytes: Callable = _no_local  # local_bytes(p, sc) -> bytes of local memory of the largest kernel
     render: Callable = _as_is  # render(p, sc) -> template parameters (derived values added)
     sweep_derive: Callable = None  # sweep_derive(p, sc) -> p with the parameters fixed by the others
-    options: Callable = None  # options(dev, sc) -> build options beside clops' own (a runtime's workaround)
     doc: str = ""
 
     def __post_init__(self):
@@ -147,8 +146,7 @@ class Spec:
         found = per_ctx.get(key) if per_ctx is not None else None
         if found is None:
             p = self.params(dev, sc)
-            found = (p, kernels(queue, self.template, dict(p, **extra), work_group_size=self.wg(p, sc),
-                                options=self.options(dev, sc) if self.options else ()))
+            found = (p, kernels(queue, self.template, dict(p, **extra), work_group_size=self.wg(p, sc)))
             with self._lock:
                 self._kernels.setdefault(queue.context, {})[key] = found
         return found
