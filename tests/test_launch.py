@@ -242,4 +242,6 @@ def test_local_memory_formula_matches_the_built_kernels(queue, spec, sc, extra, 
                                 work_group_size=spec.wg(p, sc))
         used = max(k.knl.get_work_group_info(info, queue.device) for k in built.values())
         want = spec.local_bytes(p, sc)
+        if used == 0 < want:  # PoCL 6.0 reports 0 for every kernel: nothing to check there
+            pytest.skip(f"{queue.device.platform.version.strip()} reports no local memory (CL_KERNEL_LOCAL_MEM_SIZE 0)")
         assert want <= used <= want + 64, f"{spec.op} {p}: formula {want} bytes, kernels {used}"
