@@ -149,3 +149,21 @@ def test_store_ds_beyond_one_allocation_is_refused(queue):
     lse = cla.zeros(queue, (window, 1), np.float32)
     with pytest.raises(clops.LimitError, match="^store_ds: .*CL_DEVICE_MAX_MEM_ALLOC_SIZE"):
         clops.attention_bwd(queue, q, k, k, q, lse, q, window=window, causal=False, store_ds=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sliding", [True, False])
+def test_mask_edges_match_the_pairs(causal, sliding):
+    """The matrix-unit drivers mask only blocks where mask_edges holds: evaluated as Python against every
+    pair of small blocks, it must hold wherever some pair is unseen (and only there)."""
+    from clops.attn import mask_edges, visible_condition
+
+    seen, edges = visible_condition(causal, sliding, "i", "j"), mask_edges(causal, sliding, "q0", "k0", "nq", "nk")
+    for W in (1, 3, 8) if sliding else (None,):
+        for q0 in range(0, 12, 3):
+            for k0 in range(0, 24, 2):
+                for nq, nk in ((1, 1), (4, 2), (2, 8)):
+                    env = dict(W=W, q0=q0, k0=k0, nq=nq, nk=nk)
+                    pairs = [eval(seen.replace("&&", "and"), dict(env, i=i, j=j)) if seen else True
+                             for i in range(q0, q0 + nq) for j in range(k0, k0 + nk)]
+                    assert any(eval(e, dict(env)) for e in edges) == (not all(pairs)), env
