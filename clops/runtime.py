@@ -210,16 +210,20 @@ QUARANTINED = _preloaded("pocl_free_quarantine")
 QUARANTINE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pocl_free_quarantine.c")
 
 
-def compiler_fault(dev):
-    """A line saying that ``dev``'s OpenCL compiler is known to build clops' kernels wrong, or None.
+def faulty_pocl(dev):
+    """The major version, "5" or "6", where ``dev`` is on PoCL 5.x or 6.x, whose kernel compiler builds kernels that use
+    barriers wrong at random (README: known limitations; tools/pocl_vua_repro.py); else None."""
+    return next((v for v in ("5", "6") if f" PoCL {v}." in dev.platform.version), None)
 
-    PoCL 5.x and 6.x build kernels that use barriers wrong at random (README: known limitations;
-    tools/pocl_vua_repro.py), unless the process runs with clops/pocl_free_quarantine.c preloaded."""
-    version = dev.platform.version
-    major = next((v for v in ("5", "6") if f" PoCL {v}." in version), None)
+
+def compiler_fault(dev):
+    """A line saying that ``dev``'s OpenCL compiler is known to build clops' kernels wrong, or None:
+    PoCL 5.x and 6.x (:func:`faulty_pocl`), unless the process runs with clops/pocl_free_quarantine.c
+    preloaded."""
+    major = faulty_pocl(dev)
     if major is None or QUARANTINED:
         return None
-    return (f"PoCL {major}.x ({version.strip()}) builds kernels that use barriers wrong at random, so "
+    return (f"PoCL {major}.x ({dev.platform.version.strip()}) builds kernels that use barriers wrong at random, so "
             "results may be wrong (a stale cache in its kernel compiler, fixed in PoCL 7.0): use PoCL 7 or "
             "3, or run `python -m clops pocl-quarantine` and preload the library it builds (README: known "
             "limitations)")
