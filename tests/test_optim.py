@@ -62,6 +62,21 @@ def test_narrow_gradient_and_half_copy(queue, dtype, tiles):
         tuning.override("adamw", {}, None)
 
 
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_half_copy_keeps_nan_and_inf(queue, dtype):
+    """p_half of a NaN p is NaN whatever its payload (bfloat16's rounding carry must not reach the
+    sign or exponent: 0x7fffffff, NVIDIA's canonical NaN, became −0, 0xffffffff +0, 0x7f800001 Inf),
+    ±Inf stays ±Inf; lr 0 leaves p as it is (vector body and tail)."""
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC0FFFF, 0x7FC08000], np.uint32).view(np.float32)
+    p = np.tile(np.concatenate([nans, np.array([np.inf, -np.inf, 1.0, -3.0], np.float32)]), 3)
+    dp, dg, dm, dv = to_device(queue, p, *(np.zeros_like(p) for _ in range(3)))
+    half = cla.empty(queue, p.shape, dtype)
+    clops.adamw(queue, dp, dg, dm, dv, lr=0.0, step=1, p_half=half)
+    got, nan = half.get(), np.isnan(p)
+    assert (np.isnan(got) == nan).all(), got
+    assert got[~nan].tobytes() == p[~nan].astype(dtype).tobytes()
+
+
 def test_refusals(queue):
     p, g, m, v = to_device(queue, *(rnd(10, s) for s in range(4)))
     cases = [
