@@ -25,6 +25,7 @@ EQUAL = {
     "softcap": (True, None, 3.0),
     "all": (False, 7, 2.0),
     "sliding-covers-window": (True, 64, None),
+    "sliding-edge-on-block-edge": (False, 2, None),  # a block's first row sees the previous block's last key
 }
 # offsets with an empty sequence, one of a single token, lengths across tile edges
 CU = np.array([0, 5, 5, 60, 61, 100], np.int32)
@@ -131,7 +132,8 @@ def test_varlen_device_offsets(queue, store_ds):
 def test_tile_variants(queue, op, params):
     tuning.override(op, {"hd": 40}, params)
     try:
-        for kw in (dict(window=37, **_variant(*EQUAL["all"])), dict(cu_seqlens=CU, **_variant(*VARLEN["sliding-softcap"]))):
+        for kw in (dict(window=37, **_variant(*EQUAL["all"])), dict(cu_seqlens=CU, **_variant(*VARLEN["sliding-softcap"])),
+                   dict(window=37, **_variant(*EQUAL["sliding-edge-on-block-edge"]))):
             n = 100 if "cu_seqlens" in kw else 74
             if op == "attention_fwd":
                 _forward(queue, n, 4, 2, 40, **kw)
