@@ -21,6 +21,9 @@ from test_attention_bwd import TOL
 from test_attention_narrow import _grad_scale
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+# The band's edges on the blocks' (16-row multiples): a block's first query sees the previous
+# key block's last key, its last query the next block's first key.
+WINDOW_2 = {"window": 50, "sliding_window": 2, "causal": False}
 
 
 @pytest.fixture(params=["fma", "matrix units"])
@@ -74,8 +77,8 @@ CU = np.array([0, 0, 1, 40, 40, 100], np.int32)  # empty sequences, one of a sin
 
 @pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 5},
                                 {"window": 50, "sliding_window": 7, "causal": False}, {"window": 50, "softcap": 3.0},
-                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}],
-                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "varlen"])
+                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}, WINDOW_2],
+                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "varlen", "sliding-2"])
 def test_variants(queue, product, kw):
     _check(queue, 100, 4, 2, 32, **kw)
 
@@ -141,8 +144,8 @@ def test_backward_windows_one_kv_head(queue, product, window):
 
 
 @pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 7, "causal": False},
-                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}],
-                         ids=["non-causal", "sliding-non-causal", "varlen-sliding-softcap"])
+                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}, WINDOW_2],
+                         ids=["non-causal", "sliding-non-causal", "varlen-sliding-softcap", "sliding-2"])
 def test_backward_variants(queue, product, kw):
     _check_bwd(queue, product, 100, 4, 2, 32, BF16, **kw)
 
