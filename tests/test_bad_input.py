@@ -237,7 +237,7 @@ ROWS = _generic_rows() + SPECIFIC
 
 def _launches(monkeypatch):
     seen = []
-    monkeypatch.setitem(clops.program.observers, "test_bad_input", lambda q, knl, size, evt: seen.append(knl.name))
+    monkeypatch.setitem(clops.program.observers, "test_bad_input", lambda q, knl, *_: seen.append(knl.name))
     return seen
 
 
@@ -265,6 +265,34 @@ def test_bad_input_is_refused(queue, monkeypatch, op, what, named, exc, make):
             SPECS[op].fn("not a queue", *[_array(queue, s) for s in SPECS[op].ins.values()])
         return
     _check_refused(queue, monkeypatch, op, named, exc, make(queue))
+
+
+IN_PLACE = {"add_rms_norm": ("a", "b"), "add_rms_norm_bwd": ("ds",)}  # and every elementwise op's a, b, dc
+
+
+def _sharing_pairs():
+    """(op, output, other): each given output with each input and each later output, except the
+    inputs an output of the same size may be exactly (README: in place)."""
+    rows = []
+    for op, spec in SPECS.items():
+        outs = [n for n in spec.outs if n != "row_weight"]  # swiglu_limit's row_weight is an input
+        ins = list(spec.ins) + [n for n in spec.outs if n == "row_weight"]
+        shapes = {**spec.ins, **spec.outs}
+        in_place = ("a", "b", "dc") if spec.fn.__module__ == "clops.elementwise" else IN_PLACE.get(op, ())
+        rows += [(op, o, x) for i, o in enumerate(outs) for x in ins + outs[i + 1:]
+                 if not (x in in_place and np.prod(shapes[o]) == np.prod(shapes[x]))]
+    return rows
+
+
+@pytest.mark.parametrize("op, out, other", _sharing_pairs(), ids=lambda x: x)
+def test_outputs_sharing_memory_are_refused(queue, monkeypatch, op, out, other):
+    """Two views from offset 0 of one buffer, whatever their shapes, given as the output and the other
+    array: refused naming both, nothing launched, nothing written."""
+    shapes = {**SPECS[op].ins, **SPECS[op].outs}
+    sizes = {n: int(np.prod(shapes[n])) for n in (out, other)}
+    shared = _array(queue, max(sizes.values()), seed=5)
+    replace = {n: shared[:sizes[n]].reshape(shapes[n]) for n in (out, other)}
+    _check_refused(queue, monkeypatch, op, f"{out}: shares memory with {other}", ValueError, {"replace": replace})
 
 
 # Template parameters the device cannot hold, through clops.tuning.override: (op, tuning op, shape
