@@ -17,16 +17,17 @@ from helpers import NARROW, to_device
 KW = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("shape", [(1,), (7, 37), (4096,)])
+@pytest.mark.parametrize("shape, g_scale", [((1,), 0.5), ((7, 37), 0.5), ((4096,), 0.5), ((7, 37), 3 * KW["eps"])],
+                         ids=["1", "7x37", "4096", "7x37-g-near-eps"])  # g near eps: eps after the bias correction
 @pytest.mark.parametrize("tiles", [None, {"wg": 16, "vw": 4, "ept": 3}, {"wg": 8, "vw": 1, "ept": 1}],
                          ids=["default", "vw4", "vw1"])
-def test_steps_match_the_reference(queue, shape, tiles):
+def test_steps_match_the_reference(queue, shape, g_scale, tiles):
     p, m, v = rnd(shape, 1, 1.0), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
     dp, dm, dv = to_device(queue, p, m, v)
     tuning.override("adamw", {}, tiles)
     try:
         for step in (1, 2, 3):
-            g = rnd(shape, 10 + step, 0.5)
+            g = rnd(shape, 10 + step, g_scale)
             got = clops.adamw(queue, dp, to_device(queue, g)[0], dm, dv, step=step, **KW)
             p, m, v = ref.adamw(p, g, m, v, step=step, **KW)
             for name, a, want in zip("pmv", got, (p, m, v)):
