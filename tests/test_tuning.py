@@ -42,6 +42,12 @@ def test_search_order(tuning_dirs):
         assert tuning.lookup(dev, "op", sc)[1].startswith(source)
     tuning.override("op", sc, {"from": "override"})
     assert tuning.lookup(dev, "op", sc) == ({"from": "override"}, "override")
+    tuning.override("op", sc, {"from": "device override"}, device=dev)  # a device's own shadows the global one
+    other = types.SimpleNamespace(name="NVIDIA A100", vendor="NVIDIA Corporation")
+    assert tuning.choose(dev, "op", sc, heuristic) == {"from": "device override"}
+    assert tuning.choose(other, "op", sc, heuristic) == {"from": "override"}
+    tuning.override("op", sc, None, device=dev)
+    assert tuning.choose(dev, "op", sc, heuristic) == {"from": "override"}
     assert tuning.choose(dev, "op", {"hd": 128}, heuristic) == {"from": "user-128"}  # other shape class untouched
     tuning.override("op", sc, None)
     for source, path in reversed(layers):  # removing a layer uncovers the next one down
