@@ -205,6 +205,7 @@ GOOD = {"wg": 64, "split": 1, "bq": 16, "bk": 16, "sq": 2, "sk": 2, "dc": 8, "jc
     ({"jc": 5}, "jc must divide bq"),
     ({"dc": 6}, "dc must divide hd"),
     ({"sq": 0}, "positive ints"),
+    ({"sq": True}, "positive ints"),  # JSON's true is no 1
     ({"bq": 65536, "sq": 8192}, "bytes of local memory"),
 ])
 def test_impossible_params_raise(queue, change, word):
