@@ -1,9 +1,10 @@
 """The launch path: warm calls render and read nothing, events stay short, nothing waits on the
 host, scratch lives until its kernels have run, allocators and overlapping outputs are checked,
-stale tuning entries fall back, and the specs' local-memory formulas match the built kernels."""
+plans are keyed by the gain's dtype, stale tuning entries fall back, and the specs' local-memory formulas match the built kernels."""
 import json
 import threading
 
+import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
@@ -178,6 +179,33 @@ def test_elementwise_in_place_is_allowed(queue):
     want = a.get() + b.get()
     assert clops.add(queue, a, b, out=a) is a
     assert np.array_equal(a.get(), want)
+
+
+def test_plans_are_keyed_by_the_gains_dtype(queue):
+    """The ops whose gain (gate, row weight) may be float32 or the storage type, at bfloat16 storage on
+    the same shapes with each: the same values give the same bits (a 16-bit dw rounded once from the
+    same float32 sum); a plan or program keyed without the gain's dtype runs the other's kernel."""
+    bf = np.dtype(ml_dtypes.bfloat16)
+    x, dy, ds = to_device(queue, *(rnd((N, D), s).astype(bf) for s in (1, 3, 4)))
+    q, dq = to_device(queue, *(rnd((N, NH, HD), s).astype(bf) for s in (5, 6)))
+    rope, = to_device(queue, clops.rope_table(WINDOW, HD // 4))
+    w16 = rnd(D, 2).astype(bf)
+
+    def run(w):
+        wq = w[:HD].copy(queue)
+        y, inv = clops.rms_norm(queue, x, w)
+        qn, qinv = clops.qk_norm_rope(queue, q, wq, rope)
+        out = [y, inv, clops.rms_norm_bwd(queue, x, w, inv, dy), *clops.rms_norm_bwd(queue, x, w, inv, dy, want_dw=True),
+               *clops.add_rms_norm(queue, x, dy, w), *clops.add_rms_norm_bwd(queue, x, w, inv, dy, ds), qn, qinv,
+               *clops.qk_norm_rope_bwd(queue, q, wq, qinv, rope, dq), clops.swiglu_gated(queue, x, dy, w),
+               *clops.swiglu_gated_bwd(queue, x, dy, w, ds),
+               clops.swiglu_limit(queue, x, dy, limit=1.0, row_weight=w[:N].copy(queue))]
+        # dw, dw of qk_norm_rope_bwd: of w's dtype; the float32 gain's rounded as the 16-bit one's is
+        return [(a.get().astype(bf) if a.shape in ((D,), (HD,)) else a.get()).tobytes() for a in out]
+
+    first = run(cla.to_device(queue, w16))
+    assert run(cla.to_device(queue, w16.astype(np.float32))) == first
+    assert run(cla.to_device(queue, w16)) == first
 
 
 def test_stale_tuning_entry_warns_and_takes_the_heuristic(queue, tmp_path, monkeypatch):
