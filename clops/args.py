@@ -16,12 +16,18 @@ Events: an op's first kernel waits on ``wait_for`` plus the pending events of ev
 array it reads or writes (pyopencl's ``.events``); each output's ``.events`` then
 becomes the op's kernels that wrote it, which completed means all it waited on
 completed too, so the lists never grow and nothing waits on the host.
+
+Exit: the kernels still pending when the interpreter exits are waited for (``atexit``; up to
+``EXIT_WAIT_S``), before the runtimes' libraries are torn down: PoCL 3.1 crashes a process that exits while its compiler thread
+builds a kernel a pending launch needs (``tools/pocl_exit_repro.py``; README, known limitations).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 import threading
+import time
 import warnings
 import weakref
 from decimal import Decimal
@@ -305,6 +311,28 @@ def _release_completed():
             for e in _held[0][0]:
                 if e.get_info(_STATUS) > 0:  # CL_COMPLETE is 0, errors are negative
                     return
+            _held.popleft()
+
+
+EXIT_WAIT_S = 60.0  # the longest the exit waits: a kernel gated by a user event nobody completes never runs
+
+
+@atexit.register
+def wait_held(limit_s=EXIT_WAIT_S):
+    """Wait for the kernels of every hold not yet released, up to ``limit_s`` seconds, then warn of
+    those still pending (at exit: see the module docstring)."""
+    if not _held:
+        return
+    for queue in {e.command_queue for evts, _ in _held for e in evts}:
+        queue.flush()  # submitted, so that they run while this waits
+    deadline = time.monotonic() + limit_s
+    while _held:
+        if any(e.get_info(_STATUS) > 0 for e in _held[0][0]):
+            if time.monotonic() > deadline:
+                warnings.warn(f"clops: {len(_held)} ops' kernels still pending after {limit_s:g} s at exit")
+                return
+            time.sleep(0.001)
+        else:
             _held.popleft()
 
 

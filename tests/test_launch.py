@@ -1,7 +1,10 @@
 """The launch path: warm calls render and read nothing, events stay short, nothing waits on the
-host, scratch lives until its kernels have run, allocators and overlapping outputs are checked,
+host, scratch lives until its kernels have run, exit waits for pending kernels, allocators and overlapping outputs are checked,
 plans are keyed by the gain's dtype, stale tuning entries fall back, and the specs' local-memory formulas match the built kernels."""
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import ml_dtypes
@@ -115,6 +118,45 @@ def test_scratch_is_held_until_its_kernels_complete(queue):
     clops.rms_norm_dw(queue, x, inv, dy, dw=dw, allocator=pool)  # the next op releases what completed
     queue.finish()
     assert pool.active_blocks <= 2
+
+
+EXIT_CHILD = """
+import atexit, os, threading, time
+import numpy as np, pyopencl as cl, pyopencl.array as cla
+
+def report():  # registered before clops is imported: runs after clops' own exit handler
+    print(int(y.events[-1].get_info(cl.event_info.COMMAND_EXECUTION_STATUS)))
+
+atexit.register(report)
+import clops
+dev = next(d for p in cl.get_platforms() if p.name == os.environ["P"] for d in p.get_devices() if d.name == os.environ["D"])
+ctx = cl.Context([dev])  # held: Intel's CPU runtime invalidates a queue's context that Python dropped
+queue = cl.CommandQueue(ctx)
+x, w = cla.to_device(queue, np.ones((8, 16), np.float32)), cla.to_device(queue, np.ones(16, np.float32))
+gate = cl.UserEvent(queue.context)
+y, _ = clops.rms_norm(queue, x, w, wait_for=[gate])
+threading.Thread(target=lambda: (time.sleep(0.5), gate.set_status(cl.command_execution_status.COMPLETE)), daemon=True).start()
+"""
+
+
+def test_pending_kernels_are_waited_for_at_exit(queue):
+    """A process that exits with an op's kernel pending waits for it (PoCL 3.1 crashes one that exits
+    while its compiler builds a pending launch's kernel: tools/pocl_exit_repro.py)."""
+    env = dict(os.environ, P=queue.device.platform.name, D=queue.device.name)
+    run = subprocess.run([sys.executable, "-c", EXIT_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["0"]  # CL_COMPLETE when the child's last exit handler ran
+
+
+def test_exit_wait_gives_up_on_a_kernel_that_cannot_run(queue):
+    """A kernel gated by a user event nobody completes: the exit's wait warns after its limit, not hangs."""
+    x, w, *_ = _inputs(queue)
+    gate = cl.UserEvent(queue.context)
+    y, _ = clops.rms_norm(queue, x, w, wait_for=[gate])
+    with pytest.warns(UserWarning, match="kernels still pending after 0.2 s at exit"):
+        args.wait_held(0.2)
+    gate.set_status(cl.command_execution_status.COMPLETE)
+    y.get()
 
 
 @pytest.mark.parametrize("shape, dtype", [((3, 5, 7), args.F32), ((4,), args.I32), ((2, 6), args.FLOATS[2])])
