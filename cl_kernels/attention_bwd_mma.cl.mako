@@ -48,7 +48,7 @@ ${tp.geometry(st, hd, nw, bk)}\
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
-${tp.decls(kind, st)}\
+${tp.decls(kind, st, emulate)}\
 
 ## P (into `p`) and dS (into `ds`) of the warp's tile from S in `p` and dP in `ds`, in place:
 ## element (j, e) is query `qi`, key `kj` (C expressions of j and e); nl2 and dd its query's
@@ -163,7 +163,7 @@ ${tp.pv(kind, st, False, seen_t, **args)}\
 % endif
 </%def>
 % if pass_ == "dq":
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
                  __global const ${et} *restrict v, __global const ${et} *restrict o,
                  __global const ${et} *restrict dO, __global const float *restrict lse,
@@ -273,7 +273,7 @@ ${tp.commit(kind)}\
 }
 % else:
 #define KG (16 * NW / ${sx})  // keys a group
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restrict k,
                   __global const ${et} *restrict v, __global const ${et} *restrict dO,
                   __global const float *restrict lse, __global const float *restrict dsum,

@@ -58,9 +58,9 @@ ${tp.geometry(st, hd, nw, bk)}\
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
-${tp.decls(kind, st)}\
+${tp.decls(kind, st, emulate)}\
 
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,
                    __global const ${et} *restrict v, __global ${et} *restrict o, __global float *restrict lse,${"""
                    __global const int *restrict cu,""" if varlen else ""}

@@ -2,11 +2,15 @@
 // (tile_products.cl.mako), the operands given as the driver's lanes hold them: a[4] and b[2]
 // words per lane (floats for tf32x3, packed 16-bit pairs otherwise), d[4] floats per lane in the
 // accumulator layout; the 16-bit kinds take B through local memory and ldmatrix, as the drivers'
-// products do, staged by the lanes and by cp.async from `bn` (B's rows of n, k contiguous). One warp.
+// products do, staged by the lanes and by cp.async from `bn` (B's rows of n, k contiguous). One warp
+// (`emulate`: tile_products.cl.mako's emulation, one 32-wide sub-group).
+<%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
-${tp.decls(kind, "float")}\
+<% st = {"tf32x3": "float", "bf16": "bf16", "f16": "half"}[kind] %>\
+${common.storage(st)}\
+${tp.decls(kind, st, emulate)}\
 
-__kernel __attribute__((reqd_work_group_size(32, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(32, 1, 1))) WARPS
 void mma_probe(__global const uint *a, __global const uint *b, __global const uint *bn, __global float *d)
 {
     const uint lane = get_local_id(0);
@@ -31,8 +35,8 @@ void mma_probe(__global const uint *a, __global const uint *b, __global const ui
     bt[(2 * t + 8) * 8 + g] = b1 & 0xffffu;
     bt[(2 * t + 9) * 8 + g] = b1 >> 16;
     if (lane < 16) cp_async16(bk + 8 * lane, bn + 4 * lane, 16u);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    CP_ASYNC_COMMIT();
+    CP_ASYNC_WAIT(0);
     barrier(CLK_LOCAL_MEM_FENCE);
     uint w[4], v[4];
     ldsm_x4_trans(w, bt + (lane & 15) * 8);

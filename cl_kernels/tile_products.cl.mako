@@ -19,6 +19,8 @@
 ##   kind "bf16"/"f16"  mma.sync m16n8k16 on the stored 16-bit bits, float32 accumulation; P
 ##                  (and dS) rounded to the storage type (nearest even) only as an operand; pv's
 ##                  B operand by ldmatrix.trans from the staged rows.
+## The three NVIDIA kinds also render emulated (`emulate`: emulated_warps below, 32-wide sub-groups
+## for warps), so their code runs and is tested on a CPU runtime.
 ## Local tiles: staged rows as stored (float, or ushort bits), KS elements a row.
 <%!
     def widen(st, x):
@@ -30,7 +32,7 @@
         return "HD16" if cols == "HD" else "((%s + 15) / 16)" % cols
 %>
 
-<%def name="decls(kind, st)">\
+<%def name="decls(kind, st, emulate=0)">\
 // tanh of a score under the softcap by one exp2 and one division, where OpenCL's tanh costs a
 // dozen more instructions: absolute error about 2^-23 (relative near 0 larger), a few 2^-23 in the
 // capped score, where the softmax sees absolute errors only. ±1 past ±9, NaN stays NaN.
@@ -38,7 +40,14 @@ inline float score_tanh(float x)
 {
     return 1.0f - 2.0f / (native_exp2(x * 2.88539008f) + 1.0f);
 }
-% if kind != "fma":
+% if kind == "fma" or not emulate:
+#define WARPS
+% endif
+% if kind != "fma" and emulate:
+${emulated_warps(kind)}\
+% elif kind != "fma":
+#define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group " #n ";" ::: "memory")
 // Quad (the 4 lanes of one g) reductions by warp shuffles.
 inline float quad_max(float x)
 {
@@ -77,7 +86,6 @@ inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
                  :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
 }
-% endif
 % if kind == "tf32x3":
 inline uint tf32(float x)
 {
@@ -85,19 +93,13 @@ inline uint tf32(float x)
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return r;
 }
-// x = hi + lo to about 22 bits: hi its TF32 rounding, lo that of the remainder.
-inline void split(float x, uint *hi, uint *lo)
-{
-    *hi = tf32(x);
-    *lo = tf32(x - as_float(*hi));
-}
 inline void mma_tf32(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
 {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-% elif kind in ("bf16", "f16"):
+% else:
 <% ptx = "bf16" if kind == "bf16" else "f16" %>\
 inline void mma16(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
 {
@@ -123,6 +125,115 @@ inline uint pack2(float lo, float hi)
     uint r;
     asm("cvt.rn.${ptx}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+% endif
+% endif
+% if kind == "tf32x3":
+// x = hi + lo to about 22 bits: hi its TF32 rounding, lo that of the remainder.
+inline void split(float x, uint *hi, uint *lo)
+{
+    *hi = tf32(x);
+    *lo = tf32(x - as_float(*hi));
+}
+% endif
+</%def>
+
+## The PTX of `decls` emulated with 32-wide sub-groups (cl_intel_subgroups with
+## cl_intel_required_subgroup_size: Intel's CPU runtime), a sub-group a warp: the same functions,
+## fragments and lanes, so the matrix-unit kinds' code runs and is tested where no NVIDIA GPU is
+## (CLOPS_MMA=emulate). Products are exact and summed in float32 in another order than the
+## hardware's; cp.async is a plain copy (complete at once); the 16-bit kinds widen and round with
+## common.storage's helpers, which the including template renders before.
+<%def name="emulated_warps(kind)">\
+#define WARPS __attribute__((intel_reqd_sub_group_size(32)))
+#define CP_ASYNC_COMMIT()
+#define CP_ASYNC_WAIT(n)
+inline float quad_max(float x)
+{
+    x = fmax(x, intel_sub_group_shuffle_xor(x, 1u));
+    return fmax(x, intel_sub_group_shuffle_xor(x, 2u));
+}
+inline float quad_sum(float x)
+{
+    x += intel_sub_group_shuffle_xor(x, 1u);
+    return x + intel_sub_group_shuffle_xor(x, 2u);
+}
+inline float lane_value(float x, uint src)
+{
+    return intel_sub_group_shuffle(x, src);
+}
+inline void cp_async16(__local void *dst, __global const void *src, uint bytes)
+{
+    *(__local uint4 *)dst = bytes ? *(__global const uint4 *)src : (uint4)(0u);
+}
+inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
+{
+    *(__local uint *)dst = bytes ? *(__global const uint *)src : 0u;
+}
+% if kind == "tf32x3":
+// cvt.rna.tf32.f32: 10 fraction bits, to nearest with ties away from zero; NaN as the hardware's.
+inline uint tf32(float x)
+{
+    const uint u = as_uint(x);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fffffffu : (u + 0x1000u) & 0xffffe000u;
+}
+// mma.sync m16n8k8 TF32: the unit reads an operand's top 19 bits. Column k of A's rows g, g + 8 is
+// in lane 4g + k % 4 (a0, a1 below k = 4, a2, a3 from it); row k of B's column c in lane 4c + k % 4.
+__attribute__((noinline)) void mma_tf32(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
+{
+    const uint lane = get_sub_group_local_id(), g = lane / 4, t = lane % 4;
+    for (uint k = 0; k < 8; ++k) {
+        const uint from = k % 4;
+        const float ag = as_float(intel_sub_group_shuffle(k < 4 ? a0 : a2, 4 * g + from) & 0xffffe000u);
+        const float ag8 = as_float(intel_sub_group_shuffle(k < 4 ? a1 : a3, 4 * g + from) & 0xffffe000u);
+        const float bc = as_float(intel_sub_group_shuffle(k < 4 ? b0 : b1, 8 * t + from) & 0xffffe000u);
+        const float bc1 = as_float(intel_sub_group_shuffle(k < 4 ? b0 : b1, 8 * t + 4 + from) & 0xffffe000u);
+        d[0] = fma(ag, bc, d[0]);
+        d[1] = fma(ag, bc1, d[1]);
+        d[2] = fma(ag8, bc, d[2]);
+        d[3] = fma(ag8, bc1, d[3]);
+    }
+}
+% else:
+<% st = "bf16" if kind == "bf16" else "half" %>\
+inline float lo16(uint w) { return clops_${st}_to_float((ushort)(w & 0xffffu)); }
+inline float hi16(uint w) { return clops_${st}_to_float((ushort)(w >> 16)); }
+// mma.sync m16n8k16: columns k = 2s, 2s + 1 of A's rows g, g + 8 are in lane 4g + s % 4 (a0, a1
+// below k = 8, a2, a3 from it), rows k of B's column c in lane 4c + s % 4 (b0, then b1).
+__attribute__((noinline)) void mma16(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
+{
+    const uint lane = get_sub_group_local_id(), g = lane / 4, t = lane % 4;
+    for (uint s = 0; s < 8; ++s) {
+        const uint from = s % 4;
+        const uint ag = intel_sub_group_shuffle(s < 4 ? a0 : a2, 4 * g + from);
+        const uint ag8 = intel_sub_group_shuffle(s < 4 ? a1 : a3, 4 * g + from);
+        const uint bc = intel_sub_group_shuffle(s < 4 ? b0 : b1, 8 * t + from);
+        const uint bc1 = intel_sub_group_shuffle(s < 4 ? b0 : b1, 8 * t + 4 + from);
+        d[0] = fma(hi16(ag), hi16(bc), fma(lo16(ag), lo16(bc), d[0]));
+        d[1] = fma(hi16(ag), hi16(bc1), fma(lo16(ag), lo16(bc1), d[1]));
+        d[2] = fma(hi16(ag8), hi16(bc), fma(lo16(ag8), lo16(bc), d[2]));
+        d[3] = fma(hi16(ag8), hi16(bc1), fma(lo16(ag8), lo16(bc1), d[3]));
+    }
+}
+// ldmatrix .x4 (and .trans): tile i's rows from the addresses of lanes 8i .. 8i + 7.
+__attribute__((noinline)) void ldsm_x4(uint *r, __local const ushort *row)
+{
+    const uint lane = get_sub_group_local_id(), g = lane / 4, t = lane % 4;
+    for (uint i = 0; i < 4; ++i)
+        r[i] = *(__local const uint *)((__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, 8 * i + g) + 2 * t);
+}
+__attribute__((noinline)) void ldsm_x4_trans(uint *r, __local const ushort *row)
+{
+    const uint lane = get_sub_group_local_id(), g = lane / 4, t = lane % 4;
+    for (uint i = 0; i < 4; ++i) {
+        __local const ushort *r0 = (__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, 8 * i + 2 * t);
+        __local const ushort *r1 = (__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, 8 * i + 2 * t + 1);
+        r[i] = (uint)r0[g] | ((uint)r1[g] << 16);
+    }
+}
+inline uint pack2(float lo, float hi)
+{
+    return (uint)clops_float_to_${st}(lo) | ((uint)clops_float_to_${st}(hi) << 16);
 }
 % endif
 </%def>
@@ -392,13 +503,13 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 </%def>
 <%def name="commit(kind)">\
 % if kind != "fma":
-        asm volatile("cp.async.commit_group;" ::: "memory");
+        CP_ASYNC_COMMIT();
 % endif
 </%def>
 ## Wait until at most `pending` groups of this work-item's copies are in flight.
 <%def name="landed(kind, pending)">\
 % if kind != "fma":
-        asm volatile("cp.async.wait_group ${pending};" ::: "memory");
+        CP_ASYNC_WAIT(${pending});
 % endif
 </%def>
 ## Set `flag` when a value that this work-item staged (stage's chunks of dst) is NaN or ±Inf.

@@ -57,7 +57,7 @@ MAX_HD = 256
 LOG2E = 1.4426950408889634
 # The variant flags and storage type of the templates (_Call.extra) rendered when a call gives none:
 # causal attention at float32.
-PLAIN = {"causal": 1, "sliding": 0, "softcap": 0, "varlen": 0, "st": "float"}
+PLAIN = {"causal": 1, "sliding": 0, "softcap": 0, "varlen": 0, "st": "float", "emulate": 0}
 
 
 def visible_condition(causal, sliding, i, j):
@@ -263,7 +263,8 @@ def _fwd_plan(queue, call):
         p, knl = FWD.kernels(queue, {"hd": call.hd}, idx=idx, **call.extra())
         rows = p["bq"]
     else:
-        p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx, **call.extra())
+        p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx,
+                                 emulate=int(mma.emulated()), **call.extra())
         rows = 16 * p["nw"]
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0]]
     return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()
@@ -613,8 +614,9 @@ class _BwdMmaPlan:
 def _bwd_mma_plan(queue, call, product):
     sc = {"hd": call.hd, "st": call.st, "product": product}
     idx = index_type(call.n * call.nh * call.hd)
-    pq, q_knl = BWD_MMA["dq"].kernels(queue, sc, idx=idx, **call.extra())
-    pk, kv_knl = BWD_MMA["dkv"].kernels(queue, sc, idx=idx, **call.extra())
+    emulate = int(mma.emulated())
+    pq, q_knl = BWD_MMA["dq"].kernels(queue, sc, idx=idx, emulate=emulate, **call.extra())
+    pk, kv_knl = BWD_MMA["dkv"].kernels(queue, sc, idx=idx, emulate=emulate, **call.extra())
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0],
                np.float32(call.scale)] + call.variant_args()
     return _BwdMmaPlan(q_knl["attn_bwd_dq"], (call.nh, call.nseq, -(-call.T // (16 * pq["nw"]))),

@@ -13,8 +13,10 @@ keeps the portable kernel. At float32 storage the portable kernel stays the defa
 the H200 it is faster than the tf32x3 products so far. ``CLOPS_MMA=1`` takes the matrix units at
 every storage type (tf32x3 at float32), ``CLOPS_MMA=0`` none; ``CLOPS_MMA=fma`` runs the
 matrix-unit driver with the portable products on any device (how its tests check the driver on
-the CPU runtimes). ``CLOPS_MMA`` is read when clops is imported (:func:`reload_switch` reads it
-again).
+the CPU runtimes); ``CLOPS_MMA=emulate`` runs the matrix-unit products themselves, their PTX
+emulated with 32-wide sub-groups (a sub-group a warp; Intel's CPU runtime), at every storage
+type, once the probe passes emulated (how their tests check them where no NVIDIA GPU is; slow).
+``CLOPS_MMA`` is read when clops is imported (:func:`reload_switch` reads it again).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from .args import storage_dtype
 from .program import BuildError, kernels
 
 PRODUCTS = {"float": "tf32x3", "bf16": "bf16", "half": "f16"}  # storage type -> matrix-unit product
-_probed = {}  # device -> (ok, reason)
+_probed = {}  # (device, emulated) -> (ok, reason)
 _lock = threading.Lock()
 _mode = [""]  # CLOPS_MMA
 
@@ -67,9 +69,9 @@ def _fragments(a, b):
     return np.ascontiguousarray(fa), np.ascontiguousarray(fb), (rows, cols)
 
 
-def _probe_one(queue, st, kind):
-    """None if the ``kind`` product (of storage type ``st``) builds on ``queue``'s device and gives A·B of
-    a known tile; else why not."""
+def _probe_one(queue, st, kind, emulate=False):
+    """None if the ``kind`` product (of storage type ``st``; its emulation with ``emulate``) builds on
+    ``queue``'s device and gives A·B of a known tile; else why not."""
     rng = np.random.default_rng(7)
     k = 8 if kind == "tf32x3" else 16
     dtype = storage_dtype(st)
@@ -77,7 +79,7 @@ def _probe_one(queue, st, kind):
     b = rng.standard_normal((k, 8)).astype(dtype)
     fa, fb, (rows, cols) = _fragments(a, b)
     try:
-        knl = kernels(queue, "mma_probe.cl.mako", {"kind": kind}, work_group_size=32)["mma_probe"]
+        knl = kernels(queue, "mma_probe.cl.mako", {"kind": kind, "emulate": int(emulate)}, work_group_size=32)["mma_probe"]
     except (BuildError, cl.Error) as e:
         return f"{kind}: the probe kernel does not build ({str(e).splitlines()[0][:120]})"
     mf = cl.mem_flags
@@ -96,19 +98,28 @@ def _probe_one(queue, st, kind):
     return None if err <= tol else f"{kind}: the probe's tile is wrong (relative error {err:.2g})"
 
 
-def probe(device, context):
-    """(ok, reason): whether ``device`` runs all three matrix-unit products right (run once per device)."""
+def emulated():
+    """Whether the matrix-unit products run emulated (``CLOPS_MMA=emulate``)."""
+    return _mode[0] == "emulate"
+
+
+def probe(device, context, emulate=False):
+    """(ok, reason): whether ``device`` runs all three matrix-unit products right, or with ``emulate``
+    their emulation (run once per device and way)."""
     with _lock:
-        found = _probed.get(device)
+        found = _probed.get((device, emulate))
         if found is not None:
             return found
-        if "NVIDIA" not in device.platform.name.upper():
+        if emulate and "cl_intel_required_subgroup_size" not in device.extensions.split():
+            found = (False, "no 32-wide sub-groups to emulate warps with (cl_intel_required_subgroup_size)")
+        elif not emulate and "NVIDIA" not in device.platform.name.upper():
             found = (False, "not an NVIDIA device (the matrix-unit products are NVIDIA PTX)")
         else:
             queue = cl.CommandQueue(context, device)  # its own queue: the caller's may be gated
-            wrong = [why for why in (_probe_one(queue, st, kind) for st, kind in PRODUCTS.items()) if why]
-            found = (False, "probe failed: " + "; ".join(wrong)) if wrong else (True, "NVIDIA, probe passed")
-        _probed[device] = found
+            wrong = [why for why in (_probe_one(queue, st, kind, emulate) for st, kind in PRODUCTS.items()) if why]
+            done = "emulated with sub-groups, probe passed" if emulate else "NVIDIA, probe passed"
+            found = (False, "probe failed: " + "; ".join(wrong)) if wrong else (True, done)
+        _probed[device, emulate] = found
         return found
 
 
@@ -120,11 +131,11 @@ def forward_product(queue, st):
         return None, "CLOPS_MMA=0"
     if mode == "fma":
         return "fma", "CLOPS_MMA=fma (the matrix-unit driver with portable products)"
-    if mode not in ("", "1"):
-        raise ValueError(f"CLOPS_MMA: expected 0, 1 or fma, got {mode!r}")
-    if st == "float" and mode != "1":
+    if mode not in ("", "1", "emulate"):
+        raise ValueError(f"CLOPS_MMA: expected 0, 1, fma or emulate, got {mode!r}")
+    if st == "float" and mode == "":
         return None, "float32 storage keeps the portable kernel, faster than tf32x3 on the H200 (CLOPS_MMA=1 takes it)"
-    ok, reason = probe(queue.device, queue.context)
+    ok, reason = probe(queue.device, queue.context, mode == "emulate")
     return (PRODUCTS[st], reason) if ok else (None, reason)
 
 
@@ -140,7 +151,7 @@ def backward_product(queue, st):
 
 @contextlib.contextmanager
 def using(mode):
-    """Run the block as if ``CLOPS_MMA`` were ``mode`` ("0", "1" or "fma"; how ``clops tune`` and the
+    """Run the block as if ``CLOPS_MMA`` were ``mode`` ("0", "1", "fma" or "emulate"; how ``clops tune`` and the
     tests choose the forward's kernel), then restore it. Not for threads that run ops meanwhile."""
     before = _mode[0]
     _mode[0] = mode

@@ -209,6 +209,27 @@ def test_path_choice(queue, monkeypatch):
         assert not ok and product is None and reason == why and "not an NVIDIA device" in why
 
 
+# The matrix-unit products' own code, its PTX emulated with 32-wide sub-groups (tile_products.cl.mako,
+# CLOPS_MMA=emulate), through both drivers where a device has such sub-groups (Intel's CPU runtime):
+# lean, as each case builds its kernels emulated, seconds apiece. (way, head dim, dtype, keywords)
+EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
+            ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
+            ("fwd", 40, np.float32, {"window": 50}), ("bwd", 32, BF16, WINDOW_2), ("bwd", 40, np.float16, {"window": 100})]
+
+
+@pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
+                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40", "bwd-bf16-sliding-2", "bwd-f16-40"])
+def test_emulated_products(queue, way, hd, dtype, kw):
+    ok, why = mma.probe(queue.device, queue.context, emulate=True)
+    if not ok:
+        pytest.skip(why)
+    with mma.using("emulate"):
+        if way == "fwd":
+            _check(queue, 100, 4, 2, hd, dtype, **kw)
+        else:
+            _check_bwd(queue, "emulated", 100, 4, 2, hd, dtype, **kw)
+
+
 def test_probe_rejects_a_wrong_tile(queue, monkeypatch):
     """The probe compares against A·B: fragments laid out wrongly are caught."""
     if not mma.probe(queue.device, queue.context)[0]:
