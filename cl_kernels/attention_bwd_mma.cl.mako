@@ -20,7 +20,7 @@
 // never stored. Every sum has a fixed order: bitwise reproducible.
 //
 // Parameters: NW warps per group, BK block size (a multiple of 16), HD head dim (a multiple of
-// 8), ST storage type, KIND the tile product (fma, bf16, f16); AF: the 16-bit products fetch the
+// 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16); AF: the matrix-unit products fetch the
 // warp's A operands (Q and dO, or K and V) once, held in registers (1), or from global memory at
 // each step, L1-cached (2); dkv only, CS: the group computes 1/CS of dK's and dV's head-dim
 // columns (CS groups per key block, each computing S and dP: fewer registers for more work); SX

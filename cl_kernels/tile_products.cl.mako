@@ -15,7 +15,7 @@
 ##                  reference on the CPU runtimes);
 ##   kind "tf32x3"  NVIDIA mma.sync m16n8k8 TF32 by inline PTX, each float32 operand split into
 ##                  hi + lo TF32 parts and three products summed (hi·hi + hi·lo + lo·hi), so the
-##                  error stays near float32's; float storage; the forward only;
+##                  error stays near float32's; float storage;
 ##   kind "bf16"/"f16"  mma.sync m16n8k16 on the stored 16-bit bits, float32 accumulation; P
 ##                  (and dS) rounded to the storage type (nearest even) only as an operand; pv's
 ##                  B operand by ldmatrix.trans from the staged rows.
@@ -262,18 +262,24 @@ inline uint pack2(float lo, float hi)
 ${a_words(frag + "[s]", "s", src, base, stride, cols)}\
     }
 % elif kind == "tf32x3":
-    float ${frag}[HD / 8][4];  // A fragments, 8 columns a step (split when used)
+    float ${frag}[${cols} / 8][4];  // A fragments, 8 columns a step (split when used)
     #pragma unroll
-    for (int s = 0; s < HD / 8; ++s) {
+    for (int s = 0; s < ${cols} / 8; ++s) {
+${tf32_a(frag + "[s]", "s", src, base, stride)}\
+    }
+% endif
+</%def>
+
+## The four float A values of k-step `s` (8 columns) of the warp's rows into dst[0..3], columns
+## permuted as load_q says: (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1) of the step.
+<%def name="tf32_a(dst, s, src, base, stride)">\
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const uint r = row0 + g + 8 * e;
-            const float2 x = r < T ? *(__global const float2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + s * 8 + 2 * t" % (base, stride), 2)}) : (float2)(0.0f);
-            ${frag}[s][e] = x.x;
-            ${frag}[s][2 + e] = x.y;
+            const float2 x = r < T ? *(__global const float2 *)(${src} + ${at(src, "%s + (idx_t)r * %s + %s * 8 + 2 * t" % (base, stride, s), 2)}) : (float2)(0.0f);
+            ${dst}[e] = x.x;
+            ${dst}[2 + e] = x.y;
         }
-    }
-% endif
 </%def>
 
 ## The four 16-bit A words of k-step `s` (16 columns; columns past HD are zero) of the warp's rows
@@ -287,7 +293,7 @@ ${a_words(frag + "[s]", "s", src, base, stride, cols)}\
         }
 </%def>
 
-## out[BK/8][4] += A·Bᵀ, A the warp's rows of load_q (`frag`; the portable kind, and the 16-bit ones
+## out[BK/8][4] += A·Bᵀ, A the warp's rows of load_q (`frag`; the portable kind, and the others
 ## with frag None, read them from `src` at `base`, row stride `stride`), B staged in bs[key * KS + d] (the driver's row0, T): the
 ## forward's S = Q·Kᵀ; the backward's dP = dO·Vᵀ, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ. `cols`: the product over
 ## the first `cols` columns of A and B only (a partial sum; `base` and `bs` may start mid-row).
@@ -308,10 +314,14 @@ ${a_words(frag + "[s]", "s", src, base, stride, cols)}\
         }
 % elif kind == "tf32x3":
         #pragma unroll
-        for (int s8 = 0; s8 < HD / 8; ++s8) {
+        for (int s8 = 0; s8 < ${cols} / 8; ++s8) {
+% if frag is None:
+            float a[4];  // read at each step (L1-cached): no registers held across the block loop
+${tf32_a("a", "s8", src, base, stride)}\
+% endif
             uint ah[4], al[4];
             #pragma unroll
-            for (int e = 0; e < 4; ++e) split(${frag}[s8][e], &ah[e], &al[e]);
+            for (int e = 0; e < 4; ++e) split(${"a" if frag is None else frag + "[s8]"}[e], &ah[e], &al[e]);
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 const float2 b = *(const __local float2 *)(${bs} + (8 * j + g) * KS + s8 * 8 + 2 * t);

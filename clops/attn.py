@@ -503,7 +503,8 @@ def _bwd_mma_heuristic(pass_):
     """Tiles from the H200's sweeps (bf16) on a GPU, fewer keys until the blocks fit; two warps and 16
     elsewhere."""
     def heuristic(dev, sc):
-        big = sc["hd"] > 128
+        # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
+        big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
         p = {"nw": 2, "bk": 16, "af": 1}
         if dev.type & cl.device_type.GPU:
             # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps and 32
@@ -512,6 +513,8 @@ def _bwd_mma_heuristic(pass_):
             # the A operands held in registers (dq at hd 256 too, spilling: 4.50 ms against 5.77 read at
             # each step)
             p = {"nw": 8 if big and pass_ == "dq" else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
+            if sc["product"] == "tf32x3" and big:  # not yet swept: A operands read at each step (L1)
+                p["af"] = 2
         if pass_ == "dkv":
             gpu_big = big and dev.type & cl.device_type.GPU
             p["cs"] = 2 if gpu_big and sc["hd"] % 16 == 0 else 1

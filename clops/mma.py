@@ -141,12 +141,8 @@ def forward_product(queue, st):
 
 def backward_product(queue, st):
     """(product or None, reason): the tile product of the attention backward (``store_ds=None``) at
-    storage type ``st``: the forward's, but the portable kernels where that is tf32x3 (no tf32x3
-    backward is built)."""
-    product, reason = forward_product(queue, st)
-    if product == "tf32x3":
-        return None, "no tf32x3 backward: the portable backward"
-    return product, reason
+    storage type ``st``: the forward's."""
+    return forward_product(queue, st)
 
 
 @contextlib.contextmanager
