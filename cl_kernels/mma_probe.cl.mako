@@ -13,6 +13,7 @@ ${tp.decls(kind, st, emulate)}\
 __kernel __attribute__((reqd_work_group_size(32, 1, 1))) WARPS
 void mma_probe(__global const uint *a, __global const uint *b, __global const uint *bn, __global float *d)
 {
+${tp.locals(kind)}\
     const uint lane = get_local_id(0);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 % if kind == "tf32x3":

@@ -46,6 +46,7 @@ inline float score_tanh(float x)
 % if kind != "fma" and emulate:
 ${emulated_warps(kind)}\
 % elif kind != "fma":
+#define CP_ASYNC_STATE
 #define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
 #define CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group " #n ";" ::: "memory")
 // Quad (the 4 lanes of one g) reductions by warp shuffles.
@@ -142,12 +143,41 @@ inline void split(float x, uint *hi, uint *lo)
 ## cl_intel_required_subgroup_size: Intel's CPU runtime), a sub-group a warp: the same functions,
 ## fragments and lanes, so the matrix-unit kinds' code runs and is tested where no NVIDIA GPU is
 ## (CLOPS_MMA=emulate). Products are exact and summed in float32 in another order than the
-## hardware's; cp.async is a plain copy (complete at once); the 16-bit kinds widen and round with
+## hardware's; cp.async copies land at their wait (see below); the 16-bit kinds widen and round with
 ## common.storage's helpers, which the including template renders before.
 <%def name="emulated_warps(kind)">\
 #define WARPS __attribute__((intel_reqd_sub_group_size(32)))
-#define CP_ASYNC_COMMIT()
-#define CP_ASYNC_WAIT(n)
+// cp.async: a work-item's copies are queued (CP_ASYNC_STATE, in the kernel: up to CPA_MAX, a copy
+// past them lands at once) and land at the wait that needs them, the latest the hardware may: a
+// read of local memory before its copies' wait sees the old contents. 16 bytes copy as 4 words,
+// 4 as 1; a copy of no bytes lands zeros.
+#define CPA_MAX 64
+#define CP_ASYNC_STATE __local uint *cpa_dst[CPA_MAX]; __global const uint *cpa_src[CPA_MAX]; \
+    uint cpa_words[CPA_MAX], cpa_group[CPA_MAX], cpa_n = 0, cpa_g = 0;
+#define CPA_LAND(i) for (uint w = 0; w < cpa_words[i]; ++w) cpa_dst[i][w] = cpa_src[i] ? cpa_src[i][w] : 0u
+#define CPA_PUSH(dst, src, bytes, words) do { \
+        cpa_dst[cpa_n] = (__local uint *)(dst); \
+        cpa_src[cpa_n] = (bytes) ? (__global const uint *)(src) : 0; \
+        cpa_words[cpa_n] = (words); \
+        cpa_group[cpa_n] = cpa_g; \
+        if (cpa_n < CPA_MAX - 1) ++cpa_n; else { CPA_LAND(cpa_n); } \
+    } while (0)
+#define cp_async16(dst, src, bytes) CPA_PUSH(dst, src, bytes, 4)
+#define cp_async4(dst, src, bytes) CPA_PUSH(dst, src, bytes, 1)
+#define CP_ASYNC_COMMIT() (++cpa_g)
+// committed groups but the newest n land; the copies after the last commit stay queued
+#define CP_ASYNC_WAIT(n) do { \
+        uint keep = 0; \
+        for (uint i = 0; i < cpa_n; ++i) { \
+            if (cpa_group[i] + (n) < cpa_g) { \
+                CPA_LAND(i); \
+            } else { \
+                cpa_dst[keep] = cpa_dst[i]; cpa_src[keep] = cpa_src[i]; \
+                cpa_words[keep] = cpa_words[i]; cpa_group[keep] = cpa_group[i]; ++keep; \
+            } \
+        } \
+        cpa_n = keep; \
+    } while (0)
 inline float quad_max(float x)
 {
     x = fmax(x, intel_sub_group_shuffle_xor(x, 1u));
@@ -161,14 +191,6 @@ inline float quad_sum(float x)
 inline float lane_value(float x, uint src)
 {
     return intel_sub_group_shuffle(x, src);
-}
-inline void cp_async16(__local void *dst, __global const void *src, uint bytes)
-{
-    *(__local uint4 *)dst = bytes ? *(__global const uint4 *)src : (uint4)(0u);
-}
-inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
-{
-    *(__local uint *)dst = bytes ? *(__global const uint *)src : 0u;
 }
 % if kind == "tf32x3":
 // cvt.rna.tf32.f32: 10 fraction bits, to nearest with ties away from zero; NaN as the hardware's.
@@ -241,6 +263,9 @@ inline uint pack2(float lo, float hi)
 ## Work-group-wide declarations a product needs (inside the kernel, before any code); `quads`:
 ## the driver reduces across quads.
 <%def name="locals(kind, quads=True)">\
+% if kind != "fma":
+    CP_ASYNC_STATE
+% endif
 % if kind == "fma":
     __local float pl[BQ * BK];          // P of the group's rows, for P·V
 % if quads:
