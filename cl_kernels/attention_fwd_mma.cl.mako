@@ -160,7 +160,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             }
         }
 
-        ${tp.put(st, "vr", "vst", "nonfinite[kb & 1]" if edges else None, "edge")}
+        ${tp.put(st, "vr", "vst", "nonfinite[kb & 1]" if edges else None, "edge", kind)}
         barrier(CLK_LOCAL_MEM_FENCE);
         if (kb + 1 < nkb) {
             ${tp.fetch(st, "kr", "k", "k0 + BK")}

@@ -597,9 +597,11 @@ ${nonfinite_check(st, "x", flag)}\
 </%def>
 
 ## Stage the fetched x[KN] in dst[row * KS + d]; `flag`: set it when a value is NaN or ±Inf (only
-## when the uniform condition `when` holds: the blocks whose flag a driver reads).
-<%def name="put(st, x, dst, flag=None, when=None)">
-% if flag and when:
+## when the uniform condition `when` holds: the blocks whose flag a driver reads; two loops, one
+## checking, but on the portable `kind`, one loop: PoCL 5.0's compiler aborts on that if/else in the
+## forward's key loop, Kernel.cc:129).
+<%def name="put(st, x, dst, flag=None, when=None, kind=None)">
+% if flag and when and kind != "fma":
         if (${when}) {
 ${put(st, x, dst, flag)}\
         } else {
@@ -612,7 +614,11 @@ ${put(st, x, dst)}\
             const uint e = lid + u * WG;
             if (e < BK * (HD / ${per})) {
                 *(__local ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per}) = ${x}[u];
-% if flag:
+% if flag and when:
+                if (${when}) {
+${nonfinite_check(st, x + "[u]", flag)}\
+                }
+% elif flag:
 ${nonfinite_check(st, x + "[u]", flag)}\
 % endif
             }

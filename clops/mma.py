@@ -27,6 +27,7 @@ import threading
 import numpy as np
 import pyopencl as cl
 
+from . import runtime
 from .args import storage_dtype
 from .program import BuildError, kernels
 
@@ -112,6 +113,8 @@ def probe(device, context, emulate=False):
             return found
         if emulate and "cl_intel_required_subgroup_size" not in device.extensions.split():
             found = (False, "no 32-wide sub-groups to emulate warps with (cl_intel_required_subgroup_size)")
+        elif emulate and runtime.faulty_pocl(device) == "5":
+            found = (False, "PoCL 5.x's compiler aborts on the emulated sub-group kernels (README: known limitations)")
         elif not emulate and "NVIDIA" not in device.platform.name.upper():
             found = (False, "not an NVIDIA device (the matrix-unit products are NVIDIA PTX)")
         else:
