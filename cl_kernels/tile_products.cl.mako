@@ -238,20 +238,21 @@ __attribute__((noinline)) void mma16(float *d, uint a0, uint a1, uint a2, uint a
     }
 }
 // ldmatrix .x4 (and .trans): tile i's rows from the addresses of lanes 8i .. 8i + 7.
+inline __local const ushort *lane_row(__local const ushort *row, uint src)
+{
+    return (__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, src);
+}
 __attribute__((noinline)) void ldsm_x4(uint *r, __local const ushort *row)
 {
     const uint lane = get_sub_group_local_id(), g = lane / 4, t = lane % 4;
     for (uint i = 0; i < 4; ++i)
-        r[i] = *(__local const uint *)((__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, 8 * i + g) + 2 * t);
+        r[i] = *(__local const uint *)(lane_row(row, 8 * i + g) + 2 * t);
 }
 __attribute__((noinline)) void ldsm_x4_trans(uint *r, __local const ushort *row)
 {
     const uint lane = get_sub_group_local_id(), g = lane / 4, t = lane % 4;
-    for (uint i = 0; i < 4; ++i) {
-        __local const ushort *r0 = (__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, 8 * i + 2 * t);
-        __local const ushort *r1 = (__local const ushort *)(size_t)intel_sub_group_shuffle((ulong)(size_t)row, 8 * i + 2 * t + 1);
-        r[i] = (uint)r0[g] | ((uint)r1[g] << 16);
-    }
+    for (uint i = 0; i < 4; ++i)
+        r[i] = (uint)lane_row(row, 8 * i + 2 * t)[g] | ((uint)lane_row(row, 8 * i + 2 * t + 1)[g] << 16);
 }
 inline uint pack2(float lo, float hi)
 {

@@ -323,17 +323,17 @@ def wait_held(limit_s=EXIT_WAIT_S):
     those still pending (at exit: see the module docstring)."""
     if not _held:
         return
-    for queue in {e.command_queue for evts, _ in _held for e in evts}:
+    for queue in {e.command_queue for evts, _ in list(_held) for e in evts}:
         queue.flush()  # submitted, so that they run while this waits
     deadline = time.monotonic() + limit_s
-    while _held:
-        if any(e.get_info(_STATUS) > 0 for e in _held[0][0]):
-            if time.monotonic() > deadline:
-                warnings.warn(f"clops: {len(_held)} ops' kernels still pending after {limit_s:g} s at exit")
-                return
-            time.sleep(0.001)
-        else:
-            _held.popleft()
+    while True:
+        _release_completed()
+        if not _held:
+            return
+        if time.monotonic() > deadline:
+            warnings.warn(f"clops: {len(_held)} ops' kernels still pending after {limit_s:g} s at exit")
+            return
+        time.sleep(0.001)
 
 
 def check_disjoint(given, inputs, in_place=()):
