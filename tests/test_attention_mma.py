@@ -209,15 +209,16 @@ def test_path_choice(queue, monkeypatch):
 
 # The matrix-unit products' own code, its PTX emulated with 32-wide sub-groups (tile_products.cl.mako,
 # CLOPS_MMA=emulate), through both drivers where a device has such sub-groups (Intel's CPU runtime):
-# lean, as each case builds its kernels emulated, seconds apiece. (way, head dim, dtype, keywords)
+# lean, as each case builds its kernels emulated, seconds apiece: f16 in the forward only (the backward's
+# driver is the same for both 16-bit kinds). (way, head dim, dtype, keywords)
 EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
-            ("fwd", 40, np.float32, {"window": 50}), ("bwd", 32, BF16, WINDOW_2), ("bwd", 40, np.float16, {"window": 100}),
+            ("fwd", 40, np.float32, {"window": 50}), ("bwd", 32, BF16, WINDOW_2),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})]
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
-                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40", "bwd-bf16-sliding-2", "bwd-f16-40", "bwd-tf32x3-varlen-softcap"])
+                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40", "bwd-bf16-sliding-2", "bwd-tf32x3-varlen-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
     ok, why = mma.probe(queue.device, queue.context, emulate=True)
     if not ok:
