@@ -256,7 +256,7 @@ def upload_sequences(queue, cu, n, allocator):
     return index_array("cu_seqlens", cu, queue, cu.shape, below=n + 1, allocator=allocator)
 
 
-def outputs(queue, allocator, given, inputs, in_place=(), dtype=F32):
+def outputs(queue, allocator, given, inputs, in_place={}, dtype=F32):
     """An op's outputs, in order: ``given`` is ((name, array or None, shape[, dtype]), ...), of
     ``dtype`` unless the entry says; the arrays given are checked (type, dtype, shape, no overlap
     with ``inputs`` ((name, array or None), ...) or each other, see :func:`check_disjoint`), the
@@ -336,11 +336,11 @@ def wait_held(limit_s=EXIT_WAIT_S):
         time.sleep(0.001)
 
 
-def check_disjoint(given, inputs, in_place=()):
+def check_disjoint(given, inputs, in_place={}):
     """ValueError naming both arguments when a given output shares memory with an input or another
     output (arrays start at offset 0, so sharing a buffer is overlapping). ``given``, ``inputs``:
-    ((name, array or None), ...). ``in_place``: names of inputs an output may be exactly (of the
-    same size: elementwise ops read each element before they write it)."""
+    ((name, array or None), ...). ``in_place``: {output name: names of the inputs it may be exactly}
+    (of the same size: the kernel reads each element before it writes it)."""
     outs = [(n, a) for n, a in given if a is not None]
     if not outs:
         return
@@ -355,7 +355,7 @@ def check_disjoint(given, inputs, in_place=()):
         ptr = a.base_data.int_ptr
         others = [(n, b, True) for n, b in inputs] + [(n, b, False) for n, b in outs[i + 1:]]
         for other, b, is_input in others:
-            if b is None or b.base_data.int_ptr != ptr or (other in in_place and is_input and a.nbytes == b.nbytes):
+            if b is None or b.base_data.int_ptr != ptr or (is_input and other in in_place.get(name, ()) and a.nbytes == b.nbytes):
                 continue
             raise ValueError(f"{name}: shares memory with {other}; an output may not overlap "
                              f"{'an input' if is_input else 'another output'}")

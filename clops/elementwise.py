@@ -30,8 +30,8 @@ SPEC = Spec(
     doc="wg work-items per group, vw vector width, ept vectors per work-item")
 
 
-# Inputs an output may be (in place): those read element by element, not the gathered gate / row_weight.
-IN_PLACE = ("a", "b", "dc")
+# The inputs an output may be (in place): those read element by element, not the gathered gate / row_weight.
+IN_PLACE = dict.fromkeys(("out", "da", "db"), ("a", "b", "dc"))
 
 
 def _plan(queue, name, n, st, gst, width):

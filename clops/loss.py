@@ -108,7 +108,7 @@ def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, 
     check_array("dloss", dloss, queue, shape=(n,))
     (dlogits,) = outputs(queue, allocator, [("dlogits", dlogits, (n, vocab))],
                          [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
-                         in_place=("logits",), dtype=logits.dtype)
+                         in_place={"dlogits": ("logits",)}, dtype=logits.dtype)
     st = storage(logits.dtype)
     p, knl = _kernel(queue, BWD, {"st": st}, "cross_entropy_bwd", logits, cap, smoothing)
     vw = 4 if st == "float" else 8  # 16 bytes

@@ -336,7 +336,7 @@ def rms_norm_dw(queue, x, inv, dy, *, dw=None, wait_for=None, allocator=None):
     return wrote([evt, done], dw)[0]  # both stages' events: the profile of dw covers its two kernels
 
 
-ADD_IN_PLACE = ("a", "b")
+ADD_IN_PLACE = dict.fromkeys(("s", "out"), ("a", "b"))  # the residual stream, not inv
 
 
 def add_rms_norm(queue, a, b, w, *, eps=1e-6, gemma=False, s=None, out=None, inv=None, wait_for=None,
@@ -380,5 +380,5 @@ def add_rms_norm_bwd(queue, s, w, inv, dy, ds, *, eps=1e-6, gemma=False, dx=None
     check_array("ds", ds, queue, shape=(n, d), dtype=s.dtype, like="s")
     accumulate = dw is not None
     dx, dw = outputs(queue, allocator, [("dx", dx, (n, d)), ("dw", dw, (d,), w.dtype)],
-                     [("s", s), ("w", w), ("inv", inv), ("dy", dy), ("ds", ds)], ("ds",), dtype=s.dtype)
+                     [("s", s), ("w", w), ("inv", inv), ("dy", dy), ("ds", ds)], {"dx": ("ds",)}, dtype=s.dtype)
     return _bwd_dw(queue, "add_rms_norm_bwd", dx, dw, accumulate, s, w, inv, dy, ds, eps, gemma, wait_for, allocator)

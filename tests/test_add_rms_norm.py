@@ -108,6 +108,19 @@ def test_add_rms_norm(queue, dtype, case):
         assert rel_err(dx.get(), ds + nb[0].get()) <= 1e-6 and dw.get().tobytes() == nb[1].get().tobytes()
 
 
+def test_in_place_is_the_residual_stream_only(queue):
+    """Only s / out may be a or b and only dx may be ds: inv as a (d = 1, the same bytes) and dw as ds
+    (n = 1) are refused, with nothing written."""
+    a, w, b, ds = _data(1, 1, np.float32, np.float32)
+    A, B, W, DS = to_device(queue, a, b, w, ds)
+    with pytest.raises(ValueError, match="inv: shares memory with a"):
+        clops.add_rms_norm(queue, A, B, W, inv=A.reshape(1))
+    assert A.get().tobytes() == a.tobytes()
+    with pytest.raises(ValueError, match="dw: shares memory with ds"):
+        clops.add_rms_norm_bwd(queue, A, W, cla.to_device(queue, np.ones(1, np.float32)), B, DS, dw=DS.reshape(1))
+    assert DS.get().tobytes() == ds.tobytes()
+
+
 def test_in_place_residual(queue):
     """add_rms_norm(s=a) and add_rms_norm_bwd(dx=ds) update the residual stream where it lies, with the bits
     of the out-of-place calls, also for rows read twice (the row spec's rows over 32 vectors a work-item)."""

@@ -267,7 +267,8 @@ def test_bad_input_is_refused(queue, monkeypatch, op, what, named, exc, make):
     _check_refused(queue, monkeypatch, op, named, exc, make(queue))
 
 
-IN_PLACE = {"add_rms_norm": ("a", "b"), "add_rms_norm_bwd": ("ds",)}  # and every elementwise op's a, b, dc
+# (op, output): the inputs that output may be exactly; every elementwise op's out, da, db may be its a, b, dc
+IN_PLACE = {("add_rms_norm", "s"): ("a", "b"), ("add_rms_norm", "out"): ("a", "b"), ("add_rms_norm_bwd", "dx"): ("ds",)}
 
 
 def _sharing_pairs():
@@ -278,9 +279,10 @@ def _sharing_pairs():
         outs = [n for n in spec.outs if n != "row_weight"]  # swiglu_limit's row_weight is an input
         ins = list(spec.ins) + [n for n in spec.outs if n == "row_weight"]
         shapes = {**spec.ins, **spec.outs}
-        in_place = ("a", "b", "dc") if spec.fn.__module__ == "clops.elementwise" else IN_PLACE.get(op, ())
+        elementwise = spec.fn.__module__ == "clops.elementwise"
         rows += [(op, o, x) for i, o in enumerate(outs) for x in ins + outs[i + 1:]
-                 if not (x in in_place and np.prod(shapes[o]) == np.prod(shapes[x]))]
+                 if not (x in (("a", "b", "dc") if elementwise else IN_PLACE.get((op, o), ()))
+                         and np.prod(shapes[o]) == np.prod(shapes[x]))]
     return rows
 
 
