@@ -507,7 +507,7 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 % endif
 </%def>
 
-## Staging without registers (the backward's passes): rows r0 .. r0 + BK - 1 of src (from `base`,
+## Staging without registers (the drivers): rows r0 .. r0 + BK - 1 of src (from `base`,
 ## row stride `stride`; rows past T zero) copied into dst[row * KS + d], 16 bytes a copy, by
 ## cp.async on the matrix-unit kinds (in flight until `landed`), by plain loads and stores on fma.
 ## `commit` closes a group of copies (one group a staging step; empty groups count too).
@@ -581,48 +581,4 @@ ${nonfinite_check(st, "x", flag)}\
 #define BK ${bk}
 #define KS (HD + ${per})
 #define KN ((BK * (HD / ${per}) + WG - 1) / WG)
-</%def>
-
-## Staging, shared by the drivers. Rows r0 .. r0 + BK - 1 of src (from `base`, row stride `stride`)
-## fetched into registers x[KN] (16 bytes a vector; rows past T read as zero), one step before
-## they are staged.
-<%def name="fetch(st, x, src, r0, base='kbase', stride='kstride')">
-<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG, r = e / (HD / ${per}), cv = e % (HD / ${per});
-            ${x}[u] = (${ev})(0);
-            if (e < BK * (HD / ${per}) && ${r0} + r < T)
-                ${x}[u] = *(__global const ${ev} *)(${src} + ${at(src, "%s + (idx_t)(%s + r) * %s + cv * %d" % (base, r0, stride, per), per)});
-        }
-</%def>
-
-## Stage the fetched x[KN] in dst[row * KS + d]; `flag`: set it when a value is NaN or ±Inf (only
-## when the uniform condition `when` holds: the blocks whose flag a driver reads; two loops, one
-## checking, but on the portable `kind`, one loop: PoCL 5.0's compiler aborts on that if/else in the
-## forward's key loop, Kernel.cc:129).
-<%def name="put(st, x, dst, flag=None, when=None, kind=None)">
-% if flag and when and kind != "fma":
-        if (${when}) {
-${put(st, x, dst, flag)}\
-        } else {
-${put(st, x, dst)}\
-        }
-% else:
-<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG;
-            if (e < BK * (HD / ${per})) {
-                *(__local ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per}) = ${x}[u];
-% if flag and when:
-                if (${when}) {
-${nonfinite_check(st, x + "[u]", flag)}\
-                }
-% elif flag:
-${nonfinite_check(st, x + "[u]", flag)}\
-% endif
-            }
-        }
-% endif
 </%def>
