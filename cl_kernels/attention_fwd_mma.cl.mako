@@ -142,7 +142,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
 % else:
             const float mref = mnew;  // block 0 holds key 0, which every row sees: finite from the first block
 % endif
-            const float corr = exp2(m[r] - mref);
+            const float corr = softmax_exp2(m[r] - mref);
             m[r] = mnew;
             l[r] *= corr;
             #pragma unroll
@@ -154,7 +154,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
-                    s[j][2 * r + x] = exp2(s[j][2 * r + x] - mref);
+                    s[j][2 * r + x] = softmax_exp2(s[j][2 * r + x] - mref);
                     l[r] += s[j][2 * r + x];
                 }
             }

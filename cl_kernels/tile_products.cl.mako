@@ -43,6 +43,19 @@ inline float score_tanh(float x)
 % if kind == "fma" or not emulate:
 #define WARPS
 % endif
+% if kind == "fma" or emulate:
+#define softmax_exp2 exp2
+% else:
+// 2^x for the softmax's P and its rescale: ex2.approx with subnormal results flushed to zero (one
+// MUFU.EX2, where exp2 adds a range check and two multiplies): a P below 2^-126 of its row's
+// largest adds below float32's resolution to the row's sums.
+inline float softmax_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+% endif
 % if kind != "fma" and emulate:
 ${emulated_warps(kind)}\
 % elif kind != "fma":
