@@ -68,10 +68,10 @@ ${coefficient_loop(p, ds, qi, kj, nl2, dd, True)}\
                 for (int e = 0; e < 4; ++e) {
 % if softcap:
                     // the cap's derivative 1 − tanh² folded into dS
-                    const float th = score_tanh(${p}[j][e] * c), pe = exp2(cap * th + ${nl2});
+                    const float th = score_tanh(${p}[j][e] * c), pe = softmax_exp2(cap * th + ${nl2});
                     const float dse = pe * (1.0f - th * th) * (${ds}[j][e] - ${dd}) * scale;
 % else:
-                    const float pe = exp2(${p}[j][e] * c + ${nl2}), dse = pe * (${ds}[j][e] - ${dd}) * scale;
+                    const float pe = softmax_exp2(${p}[j][e] * c + ${nl2}), dse = pe * (${ds}[j][e] - ${dd}) * scale;
 % endif
 % if masked:
                     const uint qi = ${qi}, kj = ${kj};

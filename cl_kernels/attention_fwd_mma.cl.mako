@@ -8,8 +8,9 @@
 // accumulator tile s[BK/8][4]), masks, scales (and caps) in the log2 domain, takes the online
 // softmax (row maxima and sums across the 4 lanes of a quad), then, V staged beside K, each
 // warp accumulates O += P·V into acc[HD/8][4] (the head dim in tiles of 8 columns). K and V
-// reach registers a step before they are staged (K during the previous block's P·V, V during
-// Q·Kᵀ), so global latency hides behind the products. Rows past the
+// reach local memory without registers (cp.async on the matrix units, plain copies on the
+// portable products), K during the previous block's P·V, V during Q·Kᵀ, so global latency hides
+// behind the products. Rows past the
 // sequence compute on zero Q and are never stored; keys past it are staged as zero and masked.
 // In blocks crossing the mask's edges a key a row does not see has P = 0, which a matrix
 // product still multiplies by V: if the staged V holds a non-finite value there, the block's
@@ -25,7 +26,6 @@
 <%
     narrow = st != "float"
     et = ctype(st)                          # a stored element: float, or ushort bits
-    ev = "uint4" if narrow else "float4"    # 16 bytes of them
     plain = causal and not sliding
 
     def visible(i, j):                      # query position i sees key position j
@@ -99,23 +99,24 @@ ${tp.locals(kind)}\
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
 ${tp.load_q(kind, st)}\
 
-    // Each block's K is fetched and staged during the previous block's P·V, its V during its own
-    // Q·Kᵀ: two barriers a block. After the one that follows V's staging no warp reads K any more
-    // (Q·Kᵀ came before it), and after the one that follows K's no warp reads V or the flag of the
-    // block before.
-    ${ev} kr[KN], vr[KN];
-    ${tp.fetch(st, "kr", "k", "%s * BK" % kb_first if kb_first != "0" else "0")}
+    // Each block's K is staged during the previous block's P·V, its V during its own Q·Kᵀ: two
+    // barriers a block. After the one that follows V's landing no warp reads K any more (Q·Kᵀ came
+    // before it), and after the one that follows K's no warp reads V or the flag of the block before.
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
-    ${tp.put(st, "kr", "kst")}
+    if (${kb_first} < nkb) {
+${tp.stage(kind, st, "kst", "k", "%s * BK" % kb_first)}\
+    }
+${tp.commit(kind)}\
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
 % if edges:
         const bool edge = ${" || ".join(edges)};  // some row does not see some key of the block
 % endif
-        barrier(CLK_LOCAL_MEM_FENCE);
+${tp.landed(kind, 0)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged; V(kb - 1) used up
         if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
-        ${tp.fetch(st, "vr", "v", "k0")}
-
+${tp.stage(kind, st, "vst", "v", "k0")}\
+${tp.commit(kind)}\
         float s[BK / 8][4];
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
@@ -123,7 +124,6 @@ ${tp.load_q(kind, st)}\
             for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
         }
 ${tp.qk(kind, st)}\
-
         // Scale${" (and cap)" if softcap else ""}, masking only in blocks that hold a key some row does not
         // see (uniform across the group); row maxima across the quad.
         float mx[2] = {-INFINITY, -INFINITY};
@@ -142,7 +142,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
 % else:
             const float mref = mnew;  // block 0 holds key 0, which every row sees: finite from the first block
 % endif
-            const float corr = exp2(m[r] - mref);
+            const float corr = softmax_exp2(m[r] - mref);
             m[r] = mnew;
             l[r] *= corr;
             #pragma unroll
@@ -154,17 +154,22 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
-                    s[j][2 * r + x] = exp2(s[j][2 * r + x] - mref);
+                    s[j][2 * r + x] = softmax_exp2(s[j][2 * r + x] - mref);
                     l[r] += s[j][2 * r + x];
                 }
             }
         }
-
-        ${tp.put(st, "vr", "vst", "nonfinite[kb & 1]" if edges else None, "edge", kind)}
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (kb + 1 < nkb) {
-            ${tp.fetch(st, "kr", "k", "k0 + BK")}
+${tp.landed(kind, 0)}\
+% if edges:
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "vst", "nonfinite[kb & 1]")}\
         }
+% endif
+        barrier(CLK_LOCAL_MEM_FENCE);  // V(kb) staged (and its flag set); K(kb) used up
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
 % if edges:
         if (edge && nonfinite[kb & 1]) {
 ${tp.pv(kind, st, True, visible)}\
@@ -174,11 +179,7 @@ ${tp.pv(kind, st, False, visible)}\
 % else:
 ${tp.pv(kind, st, False, visible)}\
 % endif
-        if (kb + 1 < nkb) {
-            ${tp.put(st, "kr", "kst")}
-        }
     }
-
     // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.
 ${tp.quad(kind, "sum", "l[0]", "l[1]")}\
     #pragma unroll

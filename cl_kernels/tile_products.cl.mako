@@ -33,15 +33,37 @@
 %>
 
 <%def name="decls(kind, st, emulate=0)">\
-// tanh of a score under the softcap by one exp2 and one division, where OpenCL's tanh costs a
+// tanh of a score under the softcap by one exp2 and one reciprocal, where OpenCL's tanh costs a
 // dozen more instructions: absolute error about 2^-23 (relative near 0 larger), a few 2^-23 in the
-// capped score, where the softmax sees absolute errors only. ±1 past ±9, NaN stays NaN.
+// capped score, where the softmax sees absolute errors only. ±1 past ±9, NaN stays NaN. On the
+// matrix units (NVIDIA) by ex2.approx and rcp.approx directly: OpenCL's division costs a range
+// check and a slow-path call there, and neither input needs it (the reciprocal's lies in [1, Inf]).
 inline float score_tanh(float x)
 {
+% if kind == "fma" or emulate:
     return 1.0f - 2.0f / (native_exp2(x * 2.88539008f) + 1.0f);
+% else:
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * 2.88539008f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.0f));
+    return fma(-2.0f, r, 1.0f);
+% endif
 }
 % if kind == "fma" or not emulate:
 #define WARPS
+% endif
+% if kind == "fma" or emulate:
+#define softmax_exp2 exp2
+% else:
+// 2^x for the softmax's P and its rescale: ex2.approx with subnormal results flushed to zero (one
+// MUFU.EX2, where exp2 adds a range check and two multiplies): a P below 2^-126 of its row's
+// largest adds below float32's resolution to the row's sums.
+inline float softmax_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 % endif
 % if kind != "fma" and emulate:
 ${emulated_warps(kind)}\
@@ -507,7 +529,7 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 % endif
 </%def>
 
-## Staging without registers (the backward's passes): rows r0 .. r0 + BK - 1 of src (from `base`,
+## Staging without registers (the drivers): rows r0 .. r0 + BK - 1 of src (from `base`,
 ## row stride `stride`; rows past T zero) copied into dst[row * KS + d], 16 bytes a copy, by
 ## cp.async on the matrix-unit kinds (in flight until `landed`), by plain loads and stores on fma.
 ## `commit` closes a group of copies (one group a staging step; empty groups count too).
@@ -581,48 +603,4 @@ ${nonfinite_check(st, "x", flag)}\
 #define BK ${bk}
 #define KS (HD + ${per})
 #define KN ((BK * (HD / ${per}) + WG - 1) / WG)
-</%def>
-
-## Staging, shared by the drivers. Rows r0 .. r0 + BK - 1 of src (from `base`, row stride `stride`)
-## fetched into registers x[KN] (16 bytes a vector; rows past T read as zero), one step before
-## they are staged.
-<%def name="fetch(st, x, src, r0, base='kbase', stride='kstride')">
-<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG, r = e / (HD / ${per}), cv = e % (HD / ${per});
-            ${x}[u] = (${ev})(0);
-            if (e < BK * (HD / ${per}) && ${r0} + r < T)
-                ${x}[u] = *(__global const ${ev} *)(${src} + ${at(src, "%s + (idx_t)(%s + r) * %s + cv * %d" % (base, r0, stride, per), per)});
-        }
-</%def>
-
-## Stage the fetched x[KN] in dst[row * KS + d]; `flag`: set it when a value is NaN or ±Inf (only
-## when the uniform condition `when` holds: the blocks whose flag a driver reads; two loops, one
-## checking, but on the portable `kind`, one loop: PoCL 5.0's compiler aborts on that if/else in the
-## forward's key loop, Kernel.cc:129).
-<%def name="put(st, x, dst, flag=None, when=None, kind=None)">
-% if flag and when and kind != "fma":
-        if (${when}) {
-${put(st, x, dst, flag)}\
-        } else {
-${put(st, x, dst)}\
-        }
-% else:
-<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG;
-            if (e < BK * (HD / ${per})) {
-                *(__local ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per}) = ${x}[u];
-% if flag and when:
-                if (${when}) {
-${nonfinite_check(st, x + "[u]", flag)}\
-                }
-% elif flag:
-${nonfinite_check(st, x + "[u]", flag)}\
-% endif
-            }
-        }
-% endif
 </%def>
