@@ -1,6 +1,7 @@
 """clops.blas.gemm (CLBlast through ctypes) against float64 numpy: transposes, beta, refusals."""
 import ctypes.util
 import os
+import time
 
 import numpy as np
 import pyopencl as cl
@@ -57,6 +58,9 @@ def test_waits_for_another_queue(queue):
     assert not blas._implied(queue, da.events) and not blas._implied(queue, [gate])
     c = blas.gemm(queue, da, db)
     assert blas._implied(queue, c.events)
+    queue.flush()  # submitted: without the barrier it would run now, on the zeros
+    time.sleep(0.2)
+    assert c.events[0].command_execution_status != cl.command_execution_status.COMPLETE
     gate.set_status(cl.command_execution_status.COMPLETE)
     assert rel_err(c.get(), a.astype(np.float64) @ b) <= 1e-6
     ooo = cl.CommandQueue(queue.context, properties=cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
@@ -69,6 +73,8 @@ def test_refusals(queue):
         blas.gemm(queue, a, b)
     with pytest.raises(ValueError, match="out: needed when beta"):
         blas.gemm(queue, a, b, trans_a=True, beta=1.0)
+    with pytest.raises(ValueError, match="out: expected shape \\(3, 5\\), got \\(5, 3\\)"):
+        blas.gemm(queue, a, b, trans_a=True, out=to_device(queue, rnd((5, 3), 3))[0])
     with pytest.raises(TypeError, match="trans_a"):
         blas.gemm(queue, a, b, trans_a=1)
     with pytest.raises(ValueError, match="out: shares memory with b"):

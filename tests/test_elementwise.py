@@ -78,6 +78,25 @@ def test_launch_parameters(queue, params):
     assert rel_err(got, ref.swiglu(a, b)) <= TOL
 
 
+def test_same_size_other_width(queue):
+    """The gathered ops on arrays of one size but two row widths, one a multiple of the vector width
+    (a vector in one row: the gate read as a vector, one row weight per vector) and one not, the
+    aligned one first: each call takes its width's kernel (the plan is per width, not per size)."""
+    tuning.override("elementwise", {}, dict(wg=16, vw=4, ept=2))  # vw 4 whatever the database says
+    try:
+        for rows, width in ((9, 8), (8, 9)):
+            a, b, dc = rnd((rows, width), 1, 4.0), rnd((rows, width), 2, 2.0), rnd((rows, width), 3)
+            gate, rw = rnd(width, 4), rnd(rows, 5)
+            A, B, DC, G, RW = to_device(queue, a, b, dc, gate, rw)
+            assert rel_err(clops.swiglu_gated(queue, A, B, G).get(), ref.swiglu_gated(a, b, gate)) <= TOL, width
+            for got, want in zip(clops.swiglu_gated_bwd(queue, A, B, G, DC), ref.swiglu_gated_bwd(a, b, gate, dc)):
+                assert rel_err(got.get(), want) <= TOL, width
+            got = clops.swiglu_limit(queue, A, B, limit=1.0, row_weight=RW).get()
+            assert rel_err(got, ref.swiglu_limit(a, b, limit=1.0, row_weight=rw)) <= TOL, width
+    finally:
+        tuning.override("elementwise", {}, None)
+
+
 def test_outputs_written_into_given_arrays(queue):
     a, b = rnd((4, 9), 11), rnd((4, 9), 12)
     A, B = to_device(queue, a, b)

@@ -42,11 +42,23 @@ def test_parity(queue, n, vocab, d, wg):
 
 
 def test_gradient_is_deterministic(queue):
+    """The same bits every run, and the bits the documented order gives: each vocab row's token rows
+    added one by one in token order in float32, onto a given dtable's value (np.add.at adds in index
+    order, each sum rounded to float32), not a tree of them."""
     ids = np.zeros(2000, np.int32)  # one row takes every token: the longest sum
     ids[::3] = 7
-    dout, = to_device(queue, rnd((2000, 24), 4, 10.0))
+    ids[5::7] = 2  # a run whose length is not a multiple of the four rows loaded together
+    host = rnd((2000, 24), 4, 10.0)
+    dout, = to_device(queue, host)
     runs = [clops.embedding_bwd(queue, ids, dout, vocab=9).get().tobytes() for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+    want = np.zeros((9, 24), np.float32)
+    np.add.at(want, ids, host)
+    assert runs[0] == want.tobytes()
+    given = rnd((9, 24), 5, 100.0)
+    got = clops.embedding_bwd(queue, ids, dout, vocab=9, dtable=to_device(queue, given)[0]).get()
+    np.add.at(given, ids, host)
+    assert got.tobytes() == given.tobytes()
 
 
 def test_device_ids_out_of_range_are_zeroed_and_counted(queue):
@@ -94,6 +106,10 @@ def test_refusals(queue):
          lambda: clops.embedding(queue, table, np.array([0, 1, 6], np.int32))),
         (TypeError, "ids: dtype must be int32", lambda: clops.embedding(queue, table, np.zeros(3, np.int64))),
         (ValueError, "ids: expected shape", lambda: clops.embedding_bwd(queue, np.zeros(4, np.int32), dout, vocab=6)),
+        (ValueError, "ids: 6 at index 1 is outside \\[0, 6\\)",
+         lambda: clops.embedding_bwd(queue, np.array([0, 6, 1], np.int32), dout, vocab=6)),
+        (ValueError, "ids: expected a non-empty \\[n\\] array, got shape \\(0,\\)",
+         lambda: clops.embedding(queue, table, np.zeros(0, np.int32))),
         (ValueError, "vocab: must be positive", lambda: clops.embedding_bwd(queue, np.zeros(3, np.int32), dout, vocab=0)),
         (TypeError, "invalid: dtype must be int32",
          lambda: clops.embedding(queue, table, np.zeros(3, np.int32), invalid=cla.zeros(queue, (1,), np.float32))),

@@ -30,6 +30,7 @@ def _targets(n, vocab, seed):
 @pytest.mark.parametrize("n, vocab, smoothing, softcap, scale", [
     (5, 1, 0.0, None, 1.0), (7, 37, 0.1, None, 4.0), (6, 50257, 0.0, None, 8.0), (4, 151936, 0.1, 30.0, 8.0),
     (6, 1000, 0.0, 15.0, 100.0), (3, 300, 0.0, None, 1e4),  # large logits: the online max keeps exp in range
+    (5, 300, 0.2, 5.0, 20.0),  # smoothing's Σ z of capped logits (Σ x of the raw ones is far from it)
 ], ids=lambda v: str(v))
 def test_parity(queue, n, vocab, smoothing, softcap, scale):
     x = rnd((n, vocab), 1, scale)
@@ -56,6 +57,29 @@ def test_in_place_and_deterministic(queue):
     apart = clops.cross_entropy_bwd(queue, dx, t, lse, ddl, softcap=20.0).get()
     assert clops.cross_entropy_bwd(queue, dx, t, lse, ddl, softcap=20.0, dlogits=dx) is dx
     assert dx.get().tobytes() == apart.tobytes()  # the logits were overwritten with the same bits
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), NARROW[1]], ids=str)
+def test_ignore_index_inside_the_vocab(queue, dtype):
+    """An ignore_index that is a token (a pad id, 0 here): its rows have loss 0 and gradient 0 in both
+    passes, as an ignore_index outside [0, vocab) does (the kernels must not take it for a target)."""
+    n, vocab = 6, 300
+    x = rnd((n, vocab), 17, 4.0).astype(dtype)
+    t = np.array([0, 5, 0, 299, 7, 0], np.int32)
+    dloss = rnd(n, 18, 1.0)
+    kw = dict(ignore_index=0, label_smoothing=0.1)
+    dx, ddl = to_device(queue, x, dloss)
+    loss, lse = clops.cross_entropy(queue, dx, t, **kw)
+    want_loss, want_lse = ref.cross_entropy(x, t, **kw)
+    assert rel_err(lse.get(), want_lse) <= 1e-6 and rel_err(loss.get(), want_loss) <= 1e-6
+    assert not loss.get()[t == 0].any()
+    grad = clops.cross_entropy_bwd(queue, dx, t, lse, ddl, **kw).get()
+    want = ref.cross_entropy_bwd(x, t, lse.get(), dloss, **kw)
+    assert not grad[t == 0].any()
+    if dtype == np.float32:
+        assert rel_err(grad, want) <= 1e-5
+    else:
+        assert ref.ulps_off(grad, want, dtype, scale=np.abs(want).max(1, keepdims=True)) <= narrow_ulps(dtype, 1e-5)
 
 
 def test_device_targets_out_of_range_give_nan_loss_and_zero_gradient(queue):
@@ -159,6 +183,8 @@ def test_refusals(queue):
         (TypeError, "targets: dtype must be int32",
          lambda: clops.cross_entropy(queue, x, cla.to_device(queue, ok.astype(np.float32)))),
         (ValueError, "label_smoothing", lambda: clops.cross_entropy(queue, x, ok, label_smoothing=1.5)),
+        (ValueError, "label_smoothing: must be in \\[0, 1\\], got -0.1",
+         lambda: clops.cross_entropy_bwd(queue, x, ok, lse, dl, label_smoothing=-0.1)),
         (ValueError, "softcap", lambda: clops.cross_entropy(queue, x, ok, softcap=0.0)),
         (TypeError, "ignore_index", lambda: clops.cross_entropy(queue, x, ok, ignore_index=True)),
         (TypeError, "logits: dtype", lambda: clops.cross_entropy(queue, cla.to_device(queue, np.zeros((3, 10))), ok)),

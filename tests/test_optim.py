@@ -83,6 +83,8 @@ def test_refusals(queue):
     cases = [
         (ValueError, "lr: must be ≥ 0", dict(lr=-1.0, step=1)),
         (ValueError, "beta1: must be in", dict(lr=1e-3, step=1, beta1=1.0)),
+        (ValueError, "beta2: must be in \\[0, 1\\), got 1.0", dict(lr=1e-3, step=1, beta2=1.0)),  # 1 − β2^step = 0
+        (ValueError, "eps: must be ≥ 0", dict(lr=1e-3, step=1, eps=-1e-8)),
         (ValueError, "step: must be positive", dict(lr=1e-3, step=0)),
         (TypeError, "step: expected an int", dict(lr=1e-3, step=1.5)),
         (ValueError, "weight_decay", dict(lr=1e-3, step=1, weight_decay=-0.1)),
@@ -102,6 +104,10 @@ def test_refusals(queue):
         clops.adamw(queue, p, half, m, v, lr=1e-3, step=1, p_half=half)
     with pytest.raises(TypeError, match="g: dtype must be float32 or float16 or bfloat16, got int32"):
         clops.adamw(queue, p, cla.zeros(queue, 10, np.int32), m, v, lr=1e-3, step=1)
+    # the state is float32; this float16 m lies over 10 float32s' bytes (a kernel taking it stays inside)
+    m16 = cla.Array(queue, (10,), np.float16, data=cla.zeros(queue, 10, np.float32).data)
+    with pytest.raises(TypeError, match="m: dtype must be float32, got float16"):
+        clops.adamw(queue, p, g, m16, v, lr=1e-3, step=1)
     with pytest.raises(ValueError, match="g: expected shape"):
         clops.adamw(queue, p, to_device(queue, rnd(11, 5))[0], m, v, lr=1e-3, step=1)
     assert all(np.array_equal(b, a.get()) for b, a in zip(before, (p, g, m, v)))
