@@ -183,13 +183,13 @@ def new_array(queue, shape, allocator, dtype=F32):
                      _size=size, _context=queue.context, _queue=queue)
 
 
-def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
-    """An int32 device array of ``shape``: ``arr`` itself when it is one (its values are the kernels'
-    to check), or ``arr`` a numpy array whose values are checked here (each in ``[0, below)`` or
-    equal to ``also``) and copied to the device without waiting (a copy of it is held until then)."""
+def check_index(name, arr, queue, shape, *, below, also=None):
+    """``arr`` as an op's int32 index array of ``shape``: a device array as it is (its values are the
+    kernels' to check), or a numpy array whose values are checked here (each in ``[0, below)`` or
+    equal to ``also``), returned as a host copy that :func:`upload_index` copies once every other
+    argument is checked (a refused call enqueues nothing)."""
     if not isinstance(arr, np.ndarray):
         return check_array(name, arr, queue, shape=shape, dtype=I32)
-    check_allocator(allocator)
     if arr.dtype != I32:
         raise TypeError(f"{name}: dtype must be int32, got {arr.dtype}")
     if arr.shape != tuple(shape):
@@ -201,12 +201,25 @@ def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"{name}: {int(arr.flat[i])} at index {i} is outside [0, {below})"
                          + (f" and is not {also}" if also is not None else ""))
-    host = np.ascontiguousarray(arr).copy()  # the caller may change arr before the copy runs
-    dev = new_array(queue, host.shape, allocator, I32)
-    evt = cl.enqueue_copy(queue, dev.base_data, host, is_blocking=False)
-    hold([evt], host)
+    return np.ascontiguousarray(arr).copy()  # the caller may change arr before the copy runs
+
+
+def upload_index(queue, arr, allocator):
+    """A :func:`check_index` result on the device: a host copy is copied without waiting (and held
+    until then); a device array is returned as it is."""
+    if not isinstance(arr, np.ndarray):
+        return arr
+    check_allocator(allocator)
+    dev = new_array(queue, arr.shape, allocator, I32)
+    evt = cl.enqueue_copy(queue, dev.base_data, arr, is_blocking=False)
+    hold([evt], arr)
     dev.events = [evt]
     return dev
+
+
+def index_array(name, arr, queue, shape, *, below, also=None, allocator=None):
+    """:func:`check_index` then :func:`upload_index`, for a caller whose other arguments are checked."""
+    return upload_index(queue, check_index(name, arr, queue, shape, below=below, also=also), allocator)
 
 
 def check_sequences(queue, n, window, cu_seqlens, max_seqlen, tokens="q"):
@@ -279,7 +292,7 @@ def outputs(queue, allocator, given, inputs, in_place={}, dtype=F32):
     if n_given:  # the common case: distinct buffers, none an input's; else check_disjoint says which pair
         if len(ptrs) == n_given:
             for _, b in inputs:
-                if b is not None and b.base_data.int_ptr in ptrs:
+                if isinstance(b, cla.Array) and b.base_data.int_ptr in ptrs:
                     break
             else:
                 return result
@@ -339,7 +352,7 @@ def wait_held(limit_s=EXIT_WAIT_S):
 def check_disjoint(given, inputs, in_place={}):
     """ValueError naming both arguments when a given output shares memory with an input or another
     output (arrays start at offset 0, so sharing a buffer is overlapping). ``given``, ``inputs``:
-    ((name, array or None), ...). ``in_place``: {output name: names of the inputs it may be exactly}
+    ((name, array, None or a host index array (memory of its own)), ...). ``in_place``: {output name: names of the inputs it may be exactly}
     (of the same size: the kernel reads each element before it writes it)."""
     outs = [(n, a) for n, a in given if a is not None]
     if not outs:
@@ -347,7 +360,7 @@ def check_disjoint(given, inputs, in_place={}):
     ptrs = {a.base_data.int_ptr for _, a in outs}
     if len(ptrs) == len(outs):
         for _, b in inputs:
-            if b is not None and b.base_data.int_ptr in ptrs:
+            if isinstance(b, cla.Array) and b.base_data.int_ptr in ptrs:
                 break
         else:
             return  # the common case; the loop below finds the pair that shares memory
@@ -355,7 +368,7 @@ def check_disjoint(given, inputs, in_place={}):
         ptr = a.base_data.int_ptr
         others = [(n, b, True) for n, b in inputs] + [(n, b, False) for n, b in outs[i + 1:]]
         for other, b, is_input in others:
-            if b is None or b.base_data.int_ptr != ptr or (is_input and other in in_place.get(name, ()) and a.nbytes == b.nbytes):
+            if not isinstance(b, cla.Array) or b.base_data.int_ptr != ptr or (is_input and other in in_place.get(name, ()) and a.nbytes == b.nbytes):
                 continue
             raise ValueError(f"{name}: shares memory with {other}; an output may not overlap "
                              f"{'an input' if is_input else 'another output'}")

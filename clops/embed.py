@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import (F32, FLOATS, I32, check_array, check_queue, events, hold, index_array, index_type, outputs,
-                   positive_int, scratch, storage, wrote)
+from .args import (F32, FLOATS, I32, check_array, check_index, check_queue, events, hold, index_type, outputs,
+                   positive_int, scratch, storage, upload_index, wrote)
 from .spec import Spec
 
 
@@ -63,10 +63,11 @@ def embedding(queue, table, ids, *, out=None, invalid=None, wait_for=None, alloc
     n = ids.shape[0] if hasattr(ids, "shape") and len(ids.shape) == 1 else -1
     if n < 1:
         raise ValueError(f"ids: expected a non-empty [n] array, got shape {getattr(ids, 'shape', None)}")
-    ids = index_array("ids", ids, queue, (n,), below=vocab, allocator=allocator)
+    ids = check_index("ids", ids, queue, (n,), below=vocab)
     invalid = _invalid(queue, invalid)
     (out,) = outputs(queue, allocator, [("out", out, (n, d))], [("table", table), ("ids", ids), ("invalid", invalid)],
                      dtype=table.dtype)
+    ids = upload_index(queue, ids, allocator)  # a host array's copy, once every argument is checked
     size, unit = next((size, unit) for size, unit in _UNITS if d * table.dtype.itemsize % size == 0)
     units = d * table.dtype.itemsize // size  # per row
     wg, knl = _kernels(queue, invalid, table.dtype, n * units, vocab * units, unit=unit)
@@ -90,7 +91,7 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
     n, d = dout.shape
     if n >= 2**31:
         raise ValueError(f"dout: {n} rows are more than the sort takes (2³¹)")
-    ids = index_array("ids", ids, queue, (n,), below=vocab, allocator=allocator)
+    ids = check_index("ids", ids, queue, (n,), below=vocab)
     invalid = _invalid(queue, invalid)
     accumulate = dtable is not None
     grad_dtypes = (F32, dout.dtype) if dout.dtype != F32 else F32
@@ -98,6 +99,7 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
         check_array("dtable", dtable, queue, shape=(vocab, d), dtype=grad_dtypes)
     (dtable,) = outputs(queue, allocator, [("dtable", dtable, (vocab, d), F32 if dtable is None else dtable.dtype)],
                         [("ids", ids), ("dout", dout), ("invalid", invalid)])
+    ids = upload_index(queue, ids, allocator)  # a host array's copy, once every argument is checked
     # the gradient's vectors: 16 bytes of dtable, or the widest vector that divides d
     vw = next(w for w in (8, 4, 2, 1) if w * dtable.dtype.itemsize <= 16 and d % w == 0)
     wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, grad_dtype=dtable.dtype, vw=vw)

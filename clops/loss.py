@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from .args import (FLOATS, check_array, check_queue, events, finite_float, hold, index_array, index_type,
-                   outputs, storage, wrote)
+from .args import (FLOATS, check_array, check_index, check_queue, events, finite_float, hold, index_type,
+                   outputs, storage, upload_index, wrote)
 from .spec import Spec
 
 
@@ -65,14 +65,14 @@ def _scalars(ignore_index, label_smoothing, softcap):
     return int(ignore_index), smoothing, cap
 
 
-def _geometry(queue, logits, targets, ignore_index, allocator):
+def _geometry(queue, logits, targets, ignore_index):
     check_queue(queue)
     check_array("logits", logits, queue, ndim=2, dtype=FLOATS)
     n, vocab = logits.shape
     if vocab >= 2**31:
         raise ValueError(f"logits: a vocab of {vocab} does not fit the int32 targets")
-    targets = index_array("targets", targets, queue, (n,), below=vocab, also=ignore_index, allocator=allocator)
-    return n, vocab, targets
+    # a host array is copied once every argument is checked (upload_index after outputs)
+    return n, vocab, check_index("targets", targets, queue, (n,), below=vocab, also=ignore_index)
 
 
 def _kernel(queue, spec, sc, name, logits, cap, smoothing):
@@ -85,9 +85,10 @@ def cross_entropy(queue, logits, targets, *, ignore_index=-100, label_smoothing=
                   lse=None, wait_for=None, allocator=None):
     """``(loss [n], lse [n])`` of ``logits [n, vocab]`` against ``targets [n]`` (see the module docstring)."""
     ignore_index, smoothing, cap = _scalars(ignore_index, label_smoothing, softcap)
-    n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
+    n, vocab, targets = _geometry(queue, logits, targets, ignore_index)
     loss, lse = outputs(queue, allocator, [("loss", loss, (n,)), ("lse", lse, (n,))],
                         [("logits", logits), ("targets", targets)])
+    targets = upload_index(queue, targets, allocator)
     _, knl = _kernel(queue, SPEC, {}, "cross_entropy_fwd", logits, cap, smoothing)
     evt = knl(queue, (n,), [loss.base_data, lse.base_data, logits.base_data, targets.base_data, np.uint32(vocab), np.int32(ignore_index),
                             np.float32(smoothing), np.float32(cap)],
@@ -103,12 +104,13 @@ def cross_entropy_bwd(queue, logits, targets, lse, dloss, *, ignore_index=-100, 
     ``dlogits=logits`` is allowed: the gradient overwrites the logits (no second copy of them).
     """
     ignore_index, smoothing, cap = _scalars(ignore_index, label_smoothing, softcap)
-    n, vocab, targets = _geometry(queue, logits, targets, ignore_index, allocator)
+    n, vocab, targets = _geometry(queue, logits, targets, ignore_index)
     check_array("lse", lse, queue, shape=(n,))
     check_array("dloss", dloss, queue, shape=(n,))
     (dlogits,) = outputs(queue, allocator, [("dlogits", dlogits, (n, vocab))],
                          [("logits", logits), ("targets", targets), ("lse", lse), ("dloss", dloss)],
                          in_place={"dlogits": ("logits",)}, dtype=logits.dtype)
+    targets = upload_index(queue, targets, allocator)
     st = storage(logits.dtype)
     p, knl = _kernel(queue, BWD, {"st": st}, "cross_entropy_bwd", logits, cap, smoothing)
     vw = 4 if st == "float" else 8  # 16 bytes

@@ -15,6 +15,7 @@ import pytest
 import clops
 import clops.program
 from clops import tuning
+from clops.reference import rnd
 
 SENTINEL = 7.25
 
@@ -342,3 +343,30 @@ def test_valid_call_runs(queue, op):
     outs = call(queue, op)
     queue.finish()
     assert all(np.isfinite(a.get()).all() for a in outs.values())
+
+
+@pytest.mark.parametrize("op", ["embedding", "embedding_bwd", "cross_entropy", "cross_entropy_bwd"])
+def test_host_indices_are_copied_only_for_calls_accepted(queue, monkeypatch, op):
+    """Host ids / targets are checked with the other arguments and copied only once all pass: a call refused
+    on a later argument enqueues nothing, not even their copy (whose pending event, kept past a refusal,
+    outlived its queue at exit on Intel's runtime). The same call accepted makes the one copy."""
+    ids = np.array([1, 0, 2], np.int32)
+    table, rows = cla.to_device(queue, rnd((4, 8), 1)), cla.to_device(queue, rnd((3, 8), 2))
+    lse, dloss = cla.to_device(queue, rnd(3, 3)), cla.to_device(queue, rnd(3, 4))
+    bad = cla.zeros(queue, 5, np.float32)
+    calls = {
+        "embedding": lambda **kw: clops.embedding(queue, table, ids, **kw),
+        "embedding_bwd": lambda **kw: clops.embedding_bwd(queue, ids, rows, vocab=4, **kw),
+        "cross_entropy": lambda **kw: clops.cross_entropy(queue, rows, ids, **kw),
+        "cross_entropy_bwd": lambda **kw: clops.cross_entropy_bwd(queue, rows, ids, lse, dloss, **kw),
+    }
+    out = {"embedding": "out", "embedding_bwd": "dtable", "cross_entropy": "loss", "cross_entropy_bwd": "dlogits"}[op]
+    queue.finish()
+    copies, copy = [], cl.enqueue_copy
+    monkeypatch.setattr(cl, "enqueue_copy", lambda *a, **kw: copies.append(a) or copy(*a, **kw))
+    with pytest.raises(ValueError, match=f"{out}: expected shape"):
+        calls[op](**{out: bad})
+    assert copies == []
+    calls[op]()
+    assert len(copies) == 1
+    queue.finish()
