@@ -137,7 +137,8 @@ def forward_product(queue, st):
     if mode not in ("", "1", "emulate"):
         raise ValueError(f"CLOPS_MMA: expected 0, 1, fma or emulate, got {mode!r}")
     if st == "float" and mode == "":
-        return None, "float32 storage keeps the portable kernel, faster than tf32x3 on the H200 (CLOPS_MMA=1 takes it)"
+        return None, ("float32 storage keeps the portable kernels: tf32x3's forward + backward is slower on the H200 "
+                      "(CLOPS_MMA=1 takes it)")
     ok, reason = probe(queue.device, queue.context, mode == "emulate")
     return (PRODUCTS[st], reason) if ok else (None, reason)
 
