@@ -24,8 +24,9 @@ def test_gemm(queue, trans_a, trans_b):
     want = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
     c = blas.gemm(queue, da, db, trans_a=trans_a, trans_b=trans_b)
     assert rel_err(c.get(), want) <= 1e-6
-    c = blas.gemm(queue, da, db, trans_a=trans_a, trans_b=trans_b, alpha=2.0, beta=-1.0, out=c)
-    assert rel_err(c.get(), want) <= 1e-6  # 2·ab − ab
+    c0 = rnd((m, n), 3)  # other than a·b, so that alpha and beta swapped show
+    c = blas.gemm(queue, da, db, trans_a=trans_a, trans_b=trans_b, alpha=2.0, beta=-0.5, out=to_device(queue, c0)[0])
+    assert rel_err(c.get(), 2 * want - 0.5 * c0) <= 1e-6
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(False, True), (True, False)])
