@@ -10,8 +10,8 @@
 // warp accumulates O += P·V into acc[HD/8][4] (the head dim in tiles of 8 columns). K and V
 // reach local memory without registers (cp.async on the matrix units, plain copies on the
 // portable products), K during the previous block's P·V, V during Q·Kᵀ, so global latency hides
-// behind the products. Rows past the
-// sequence compute on zero Q and are never stored; keys past it are staged as zero and masked.
+// behind the products. Rows past the sequence compute on zero Q and are never stored; keys past
+// it are staged as zero and masked.
 // In blocks crossing the mask's edges a key a row does not see has P = 0, which a matrix
 // product still multiplies by V: if the staged V holds a non-finite value there, the block's
 // P·V takes the product's exact masked form instead, so a NaN or Inf of V reaches only the

@@ -6,7 +6,6 @@
 // (`emulate`: tile_products.cl.mako's emulation, one 32-wide sub-group).
 <%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
-<% st = {"tf32x3": "float", "bf16": "bf16", "f16": "half"}[kind] %>\
 ${common.storage(st)}\
 ${tp.decls(kind, st, emulate)}\
 

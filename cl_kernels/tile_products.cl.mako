@@ -66,7 +66,7 @@ inline float softmax_exp2(float x)
 }
 % endif
 % if kind != "fma" and emulate:
-${emulated_warps(kind)}\
+${emulated_warps(kind, st)}\
 % elif kind != "fma":
 #define CP_ASYNC_STATE
 #define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
@@ -123,10 +123,9 @@ inline void mma_tf32(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 % else:
-<% ptx = "bf16" if kind == "bf16" else "f16" %>\
 inline void mma16(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
 {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.${ptx}.${ptx}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.${kind}.${kind}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
@@ -146,7 +145,7 @@ inline void ${name}(uint *r, __local const ushort *row)
 inline uint pack2(float lo, float hi)
 {
     uint r;
-    asm("cvt.rn.${ptx}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.${kind}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 % endif
@@ -167,7 +166,7 @@ inline void split(float x, uint *hi, uint *lo)
 ## (CLOPS_MMA=emulate). Products are exact and summed in float32 in another order than the
 ## hardware's; cp.async copies land at their wait (see below); the 16-bit kinds widen and round with
 ## common.storage's helpers, which the including template renders before.
-<%def name="emulated_warps(kind)">\
+<%def name="emulated_warps(kind, st)">\
 #define WARPS __attribute__((intel_reqd_sub_group_size(32)))
 // cp.async: a work-item's copies are queued (CP_ASYNC_STATE, in the kernel: up to CPA_MAX, a copy
 // past them lands at once) and land at the wait that needs them, the latest the hardware may: a
@@ -239,7 +238,6 @@ __attribute__((noinline)) void mma_tf32(float *d, uint a0, uint a1, uint a2, uin
     }
 }
 % else:
-<% st = "bf16" if kind == "bf16" else "half" %>\
 inline float lo16(uint w) { return clops_${st}_to_float((ushort)(w & 0xffffu)); }
 inline float hi16(uint w) { return clops_${st}_to_float((ushort)(w >> 16)); }
 // mma.sync m16n8k16: columns k = 2s, 2s + 1 of A's rows g, g + 8 are in lane 4g + s % 4 (a0, a1

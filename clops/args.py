@@ -352,8 +352,9 @@ def wait_held(limit_s=EXIT_WAIT_S):
 def check_disjoint(given, inputs, in_place={}):
     """ValueError naming both arguments when a given output shares memory with an input or another
     output (arrays start at offset 0, so sharing a buffer is overlapping). ``given``, ``inputs``:
-    ((name, array, None or a host index array (memory of its own)), ...). ``in_place``: {output name: names of the inputs it may be exactly}
-    (of the same size: the kernel reads each element before it writes it)."""
+    ((name, array, None or a host index array (memory of its own)), ...). ``in_place``: {output
+    name: names of the inputs it may be exactly} (of the same size: the kernel reads each element
+    before it writes it)."""
     outs = [(n, a) for n, a in given if a is not None]
     if not outs:
         return
@@ -368,7 +369,9 @@ def check_disjoint(given, inputs, in_place={}):
         ptr = a.base_data.int_ptr
         others = [(n, b, True) for n, b in inputs] + [(n, b, False) for n, b in outs[i + 1:]]
         for other, b, is_input in others:
-            if not isinstance(b, cla.Array) or b.base_data.int_ptr != ptr or (is_input and other in in_place.get(name, ()) and a.nbytes == b.nbytes):
+            if not isinstance(b, cla.Array) or b.base_data.int_ptr != ptr:
+                continue
+            if is_input and other in in_place.get(name, ()) and a.nbytes == b.nbytes:
                 continue
             raise ValueError(f"{name}: shares memory with {other}; an output may not overlap "
                              f"{'an input' if is_input else 'another output'}")

@@ -9,8 +9,8 @@ accumulation) by NVIDIA's ``mma.sync`` in inline PTX, and ``"fma"``, the portabl
 kernel (``attention_fwd.cl.mako``), with the reason. At 16-bit storage NVIDIA devices take the
 matrix units once a probe kernel has built there and given the right bits for all three products
 (one run per device, on a queue of its own, waited for); every other device, or a failed probe,
-keeps the portable kernel. At float32 storage the portable kernel stays the default: measured on
-the H200 it is faster than the tf32x3 products so far. ``CLOPS_MMA=1`` takes the matrix units at
+keeps the portable kernel. At float32 storage the portable kernels stay the default: measured on
+the H200, tf32x3's forward + backward is slower than theirs so far. ``CLOPS_MMA=1`` takes the matrix units at
 every storage type (tf32x3 at float32), ``CLOPS_MMA=0`` none; ``CLOPS_MMA=fma`` runs the
 matrix-unit driver with the portable products on any device (how its tests check the driver on
 the CPU runtimes); ``CLOPS_MMA=emulate`` runs the matrix-unit products themselves, their PTX
@@ -80,7 +80,8 @@ def _probe_one(queue, st, kind, emulate=False):
     b = rng.standard_normal((k, 8)).astype(dtype)
     fa, fb, (rows, cols) = _fragments(a, b)
     try:
-        knl = kernels(queue, "mma_probe.cl.mako", {"kind": kind, "emulate": int(emulate)}, work_group_size=32)["mma_probe"]
+        knl = kernels(queue, "mma_probe.cl.mako", {"kind": kind, "st": st, "emulate": int(emulate)},
+                      work_group_size=32)["mma_probe"]
     except (BuildError, cl.Error) as e:
         return f"{kind}: the probe kernel does not build ({str(e).splitlines()[0][:120]})"
     mf = cl.mem_flags
@@ -151,8 +152,8 @@ def backward_product(queue, st):
 
 @contextlib.contextmanager
 def using(mode):
-    """Run the block as if ``CLOPS_MMA`` were ``mode`` ("0", "1", "fma" or "emulate"; how ``clops tune`` and the
-    tests choose the forward's kernel), then restore it. Not for threads that run ops meanwhile."""
+    """Run the block as if ``CLOPS_MMA`` were ``mode`` ("0", "1", "fma" or "emulate"; how ``clops tune``
+    and the tests choose the forward's kernel), then restore it. Not for threads that run ops meanwhile."""
     before = _mode[0]
     _mode[0] = mode
     try:
