@@ -12,6 +12,19 @@
 //          as A operands. For each query head of the kv head and each block of BK queries (Q,
 //          dO staged, with their lse and D): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ as above,
 //          dV += Pᵀ·dO, dK += dSᵀ·Q, summed over the query heads in order; written once.
+//          With STORE_DS it also writes dS into `ds` (below), and runs first: D comes from
+//          attn_bwd_dsum.
+//   "dqs": attn_bwd_dsum (D of every row, before dkv) and attn_bwd_dqs, after dkv with STORE_DS: the
+//          groups of "dq", dQ += dS·K from the stored dS, per key block of BK keys (K staged):
+//          one product a block pair where "dq" has three.
+// The stored dS: tiles of 16 queries × 16 keys, only those holding a pair some query sees (key
+// tiles TILE_LO(qt) .. TILE_HI(qt) of query tile qt), each 256 elements in the order the dqs
+// lanes take them as A operands: lane l's 8 (16 bytes at 16-bit storage) are (query g, keys 2t,
+// 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), then the same at keys + 8. Causal over equal windows,
+// the triangle of each window and head (kt ≤ qt); otherwise RT tiles a query tile (a band from
+// TILE_LO), query tiles numbered per window, or from tok0 / 16 + w in a sequence of cu_seqlens
+// (each sequence's count fits before the next's). dS is stored as the product takes it: rounded
+// to the storage type on the 16-bit kinds, float otherwise.
 // So every pass is "16 rows a warp × a staged block of BK": BQ the group's rows, BK the block,
 // the names tile_products.cl.mako uses. Masked pairs get P = dS = 0 by selection (a NaN of dO,
 // V, Q or D stays out of them); a block crossing the mask's edges whose staged B operand (K in
@@ -26,7 +39,8 @@
 // columns (CS groups per key block, each computing S and dP: fewer registers for more work); SX
 // (with CS 2): 1, or 2 for the two column halves taken by the two warps of a pair in one group
 // (8·NW keys a group), each computing S and dP over its half of the columns and adding the
-// pair's partial sums through local memory (the same bits in both: the sum commutes).
+// pair's partial sums through local memory (the same bits in both: the sum commutes). STORE_DS (dkv):
+// the stored dS above.
 <%!
     from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
@@ -36,6 +50,9 @@
     et = ctype(st)                          # a stored element: float, or ushort bits
     ev = "uint4" if narrow else "float4"    # 16 bytes of them
     tok0 = "tok0" if varlen else "w * T"
+    stored = pass_ == "dqs" or store_ds
+    dse = st if kind in ("bf16", "f16") else "float"  # a stored dS element: as the product takes it
+    band = sliding or varlen or not causal            # the stored dS in rows of RT tiles, not triangles
 
     def visible(i, j):                      # query position i sees key position j
         return visible_condition(causal, sliding, i, j) or "1"
@@ -49,6 +66,16 @@ typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
 ${tp.decls(kind, st, emulate)}\
+% if stored:
+// key tiles of query tile qt that hold a pair some query sees, and the first element of tile (qt, kt) of head h
+#define TILE_LO(qt) ${"(16 * (qt) + 1 > W ? (16 * (qt) + 1 - W) / 16 : 0)" if sliding else "0u"}
+#define TILE_HI(qt) ${"(qt)" if causal else ("(min(T - 1, 16 * (qt) + 14 + W) / 16)" if sliding else "((T - 1) / 16)")}
+%   if band:
+#define DS_TILE(h, qt, kt) ((((idx_t)(${"tok0 / 16 + w" if varlen else "w * ((T + 15) / 16)"} + (qt)) * nh + (h)) * RT + (kt) - TILE_LO(qt)) * 256)
+%   else:
+#define DS_TILE(h, qt, kt) (((idx_t)(w * nh + (h)) * ((idx_t)((T + 15) / 16) * ((T + 15) / 16 + 1) / 2) + (idx_t)(qt) * ((qt) + 1) / 2 + (kt)) * 256)
+%   endif
+% endif
 
 ## P (into `p`) and dS (into `ds`) of the warp's tile from S in `p` and dP in `ds`, in place:
 ## element (j, e) is query `qi`, key `kj` (C expressions of j and e); nl2 and dd its query's
@@ -271,15 +298,15 @@ ${tp.commit(kind)}\
     }
     ${store_rows("acc", "dq", "qbase", "qstride")}
 }
-% else:
+% elif pass_ == "dkv":
 #define KG (16 * NW / ${sx})  // keys a group
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attn_bwd_dkv(__global const ${et} *restrict q, __global const ${et} *restrict k,
                   __global const ${et} *restrict v, __global const ${et} *restrict dO,
                   __global const float *restrict lse, __global const float *restrict dsum,
-                  __global ${et} *restrict dk, __global ${et} *restrict dv,${"""
+                  __global ${et} *restrict dk, __global ${et} *restrict dv,${" __global %s *restrict ds," % ctype(dse) if store_ds else ""}${"""
                   __global const int *restrict cu,""" if varlen else ""}
-                  const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["cu"] * varlen)})
+                  const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${", const uint RT" if store_ds and band else ""}${checked_args(*["q", "k", "v", "dO", "lse", "dsum", "dk", "dv"] + ["ds"] * store_ds + ["cu"] * varlen)})
 {
     __local ${et} qst[BK * KS] __attribute__((aligned(16))), dst[BK * KS] __attribute__((aligned(16)));
     __local const ${et} *qs = qst, *dos = dst;  // the query block's Q and dO
@@ -370,6 +397,21 @@ ${add_pair("s")}\
 % endif
         ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "nl2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",
                        " && ".join(["!edge"] * bool(masked) + ["q0 + BK <= T", "key0 + KG <= T"]))}
+% if store_ds:
+        // dS (transposed here) into its tiles, by one warp of a pair or the group of the first columns
+        if (col0 == 0) {
+            #pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                const uint qt = (q0 + 8 * j) / 16, kt = row0 / 16;
+                if (16 * qt < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)) {
+                    const idx_t at0 = DS_TILE(h, qt, kt) + (g >> 1) * 8 + 2 * (j & 1) + (g & 1);
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        ds[${at("ds", "at0 + 32 * (2 * t + (e & 1)) + 4 * (e >> 1)")}] = ${"dp[j][e]" if dse == "float" else "clops_float_to_%s(dp[j][e])" % dse};
+                }
+            }
+        }
+% endif
 ${flagged("s", "dva", "dos", masked, seen_t)}\
         barrier(CLK_LOCAL_MEM_FENCE);  // dO and D used up
         if (blk + 1 < nblk) {
@@ -387,5 +429,114 @@ ${tp.commit(kind)}\
     }
     ${store_rows("dva", "dv", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}
     ${store_rows("dka", "dk", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}
+}
+% else:
+// D = Σ dO·O of each (token, head) row, one work-item a row, summed as dq's lanes sum it.
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void attn_bwd_dsum(__global const ${et} *restrict o, __global const ${et} *restrict dO, __global float *restrict dsum,
+                   const idx_t rows${checked_args("o", "dO", "dsum")})
+{
+    const idx_t r = get_global_id(0);
+    if (r >= rows)
+        return;
+    float dd = 0.0f;
+    for (uint d = 0; d < HD; d += 4)
+        dd += dot(${load(st, 4, "o", at("o", "r * HD + d", 4), aligned=True)}, ${load(st, 4, "dO", at("dO", "r * HD + d", 4), aligned=True)});
+    dsum[${at("dsum", "r")}] = dd;
+}
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
+void attn_bwd_dqs(__global const ${et} *restrict k, __global const ${ctype(dse)} *restrict ds, __global ${et} *restrict dq,${"""
+                  __global const int *restrict cu,""" if varlen else ""}
+                  const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep${", const uint W" if sliding else ""}${", const uint RT" if band else ""}${checked_args(*["k", "ds", "dq"] + ["cu"] * varlen)})
+{
+    __local ${et} kst[2][BK * KS] __attribute__((aligned(16)));  // key blocks kb (even, odd)
+    __local int nonfinite[2];                                    // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
+${tp.locals(kind, quads=False)}\
+
+    const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
+    const uint h = get_group_id(0), w = get_group_id(1);
+    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
+% if varlen:
+    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
+% endif
+    const uint nkv = nh / rep;
+    const uint qstride = nh * HD, kstride = nkv * HD;  // elements
+    const idx_t qbase = (idx_t)${tok0} * qstride + h * HD;
+    const idx_t kbase = (idx_t)${tok0} * kstride + (h / rep) * HD;
+    // the key blocks holding a key that a row of the block sees (none past the sequence's end)
+    const uint qlast = min(q0 + BQ, T) - 1;
+    const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
+    const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
+    const uint qt = row0 / 16;  // the warp's query tile
+${zeros("acc", "HD / 8")}\
+
+<% masked = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK") %>\
+    // K(kb + 1) lands while block kb is multiplied: one barrier a block (two crossing the mask's edges).
+    if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+    if (kb0 < nkb) {
+${tp.stage(kind, st, "kst[kb0 & 1]", "k", "kb0 * BK")}\
+${tp.commit(kind)}\
+    }
+    for (uint kb = kb0; kb < nkb; ++kb) {
+        const uint k0 = kb * BK;
+        __local const ${et} *ks = kst[kb & 1];
+${tp.landed(kind, 0)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged; block kb − 1 done with the other buffer
+        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "kst[(kb + 1) & 1]", "k", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
+% if kind in ("bf16", "f16"):
+        uint4 dsw[BK / 16];  // dS of the warp's rows and the block's keys as stored (the A words), 0 outside the tiles
+        #pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) {
+            const uint kt = k0 / 16 + jj;
+            dsw[jj] = row0 < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)
+                ? *(__global const uint4 *)(ds + ${at("ds", "DS_TILE(h, qt, kt) + 8 * lane", 8)}) : (uint4)(0u);
+        }
+% else:
+        float dp[BK / 8][4];  // dS of the warp's rows and the block's keys, 0 outside the stored tiles
+        #pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) {
+            const uint kt = k0 / 16 + jj;
+            if (row0 < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)) {
+                const idx_t at0 = DS_TILE(h, qt, kt) + 8 * lane;
+                const float4 lo = *(__global const float4 *)(ds + ${at("ds", "at0", 4)}), hi = *(__global const float4 *)(ds + ${at("ds", "at0 + 4", 4)});
+                dp[2 * jj][0] = lo.s0; dp[2 * jj][1] = lo.s1; dp[2 * jj][2] = lo.s2; dp[2 * jj][3] = lo.s3;
+                dp[2 * jj + 1][0] = hi.s0; dp[2 * jj + 1][1] = hi.s1; dp[2 * jj + 1][2] = hi.s2; dp[2 * jj + 1][3] = hi.s3;
+            } else {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) dp[2 * jj][e] = dp[2 * jj + 1][e] = 0.0f;
+            }
+        }
+% endif
+<% words = "dsw" if kind in ("bf16", "f16") else None %>\
+% if masked:
+        const bool edge = ${" || ".join(masked)};  // some row does not see some key of the block
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "ks", "nonfinite[kb & 1]")}\
+            barrier(CLK_LOCAL_MEM_FENCE);  // the flag set
+        }
+        if (edge && nonfinite[kb & 1]) {
+%   if words:
+            float dp[BK / 8][4];  // the exact masked form takes dS as floats
+            #pragma unroll
+            for (int jj = 0; jj < BK / 16; ++jj) {
+                const float8 x = clops_${dse}_to_float8(as_ushort8(dsw[jj]));
+                dp[2 * jj][0] = x.s0; dp[2 * jj][1] = x.s1; dp[2 * jj][2] = x.s2; dp[2 * jj][3] = x.s3;
+                dp[2 * jj + 1][0] = x.s4; dp[2 * jj + 1][1] = x.s5; dp[2 * jj + 1][2] = x.s6; dp[2 * jj + 1][3] = x.s7;
+            }
+%   endif
+${tp.pv(kind, st, True, visible, p="dp", bs="ks")}\
+        } else {
+${tp.pv(kind, st, False, visible, p="dp", bs="ks", words=words)}\
+        }
+% else:
+${tp.pv(kind, st, False, visible, p="dp", bs="ks", words=words)}\
+% endif
+    }
+    ${store_rows("acc", "dq", "qbase", "qstride")}
 }
 % endif

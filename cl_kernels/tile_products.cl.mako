@@ -440,7 +440,8 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 ## forward's O += P·V; the backward's dQ += dS·K, dV += Pᵀ·dO and dK += dSᵀ·Q. `masked`: the exact
 ## form for blocks whose masked keys may hold a non-finite V: a key a row does not see
 ## (visible(row, c0 + key) false) is skipped, not multiplied by its zero P.
-<%def name="pv(kind, st, masked, visible, p='s', acc='acc', bs='vs', c0='k0', ncol='HD / 8')">\
+## `words` (16-bit kinds, unmasked): P's A words as stored, words[kk] a uint4 of keys 16kk.., in place of p.
+<%def name="pv(kind, st, masked, visible, p='s', acc='acc', bs='vs', c0='k0', ncol='HD / 8', words=None)">\
 % if kind == "fma":
         #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
@@ -510,8 +511,12 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 % else:
         #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
+% if words:
+            const uint a0 = ${words}[kk].s0, a1 = ${words}[kk].s1, a2 = ${words}[kk].s2, a3 = ${words}[kk].s3;
+% else:
             const uint a0 = pack2(${p}[2 * kk][0], ${p}[2 * kk][1]), a1 = pack2(${p}[2 * kk][2], ${p}[2 * kk][3]);
             const uint a2 = pack2(${p}[2 * kk + 1][0], ${p}[2 * kk + 1][1]), a3 = pack2(${p}[2 * kk + 1][2], ${p}[2 * kk + 1][3]);
+% endif
             // B of two column tiles a load: tiles (keys 16kk.., cols 8n..), (keys 16kk + 8.., 8n..),
             // then the same at cols 8(n + 1) (at 8n again past the last tile)
             #pragma unroll

@@ -48,7 +48,7 @@ import numpy as np
 import pyopencl as cl
 
 from .args import (F32, FLOAT32_MAX, FLOATS, check_array, check_queue, check_sequences, events, finite_float, flag,
-                   hold, index_type, outputs, positive_int, scratch, storage, upload_sequences, wrote)
+                   hold, index_scalar, index_type, outputs, positive_int, scratch, storage, upload_sequences, wrote)
 from . import mma
 from .program import LimitError
 from .spec import Spec
@@ -473,13 +473,13 @@ BWD = {
 }
 
 
-# The matrix-unit backward: attention_bwd_mma.cl.mako, two passes, each its own spec ("dq" first: it
-# also stores D for "dkv"), with the forward's tile products (clops.mma.backward_product). Op names
-# in the tuning database "attention_bwd_mma_dq" and "attention_bwd_mma_dkv", shape class
-# {"hd", "st", "product"}. Their parameters:
+# The matrix-unit backward: attention_bwd_mma.cl.mako, each pass its own spec, with the forward's tile
+# products (clops.mma.backward_product): "dkv" storing dS, then "dqs" (dQ = dS·K; its program has the
+# D kernel run first); or, dS recomputed, "dq" (it also stores D for "dkv") then "dkv". Op names in the
+# tuning database "attention_bwd_mma_" + the pass, shape class {"hd", "st", "product"}. Parameters:
 #   nw  warps of 32 work-items per group, each on 16 rows (query rows in dq, keys in dkv);
-#   bk  the staged block: keys (dq) or query rows (dkv), a multiple of 16;
-#   af  how the 16-bit products fetch the warps' A operands: 1 once, held in registers; 2 from
+#   bk  the staged block: keys (dq, dqs) or query rows (dkv), a multiple of 16;
+#   af  dq and dkv: how the 16-bit products fetch the warps' A operands: 1 once, held in registers; 2 from
 #       global memory at each step (L1-cached: fewer registers, what hd 256 needs);
 #   cs  dkv only, 1 or 2: the group computes 1/cs of dK's and dV's columns (cs groups per key block,
 #       each computing S and dP again), cs·8 dividing hd;
@@ -503,6 +503,8 @@ def _bwd_mma_heuristic(pass_):
     """Tiles from the H200's sweeps (bf16) on a GPU, fewer keys until the blocks fit; two warps and 16
     elsewhere."""
     def heuristic(dev, sc):
+        if pass_ == "dqs":  # not yet swept: the forward's
+            return _mma_heuristic(dev, sc)
         # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
         big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
         p = {"nw": 2, "bk": 16, "af": 1}
@@ -527,7 +529,7 @@ def _bwd_mma_heuristic(pass_):
 
 
 def _bwd_mma_rules(p, sc):
-    return ((p["bk"] % 16 == 0, "bk must be a multiple of 16"), (p["af"] in (1, 2), "af must be 1 or 2"),
+    return ((p["bk"] % 16 == 0, "bk must be a multiple of 16"), (p.get("af", 1) in (1, 2), "af must be 1 or 2"),
             (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"),
             (p.get("sx", 1) in (1, 2), "sx must be 1 or 2"),
             (p.get("sx", 1) == 1 or (p["cs"] == 2 and p["nw"] % 2 == 0 and sc["hd"] % 32 == 0),
@@ -535,14 +537,16 @@ def _bwd_mma_rules(p, sc):
 
 
 BWD_MMA = {pass_: Spec(
-    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako", ("nw", "bk", "af") + (("cs", "sx") if pass_ == "dkv" else ()),
-    lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], "af": [1, 2], **({"cs": [1, 2], "sx": [1, 2]} if pass_ == "dkv" else {})},
+    "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako",
+    ("nw", "bk") + (("af",) if pass_ != "dqs" else ()) + (("cs", "sx") if pass_ == "dkv" else ()),
+    lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], **({"af": [1, 2]} if pass_ != "dqs" else {}),
+                             **({"cs": [1, 2], "sx": [1, 2]} if pass_ == "dkv" else {})},
     _bwd_mma_heuristic(pass_), rules=_bwd_mma_rules,
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
-    render=lambda p, sc, pass_=pass_: {**PLAIN, "cs": 1, "sx": 1, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"],
-                                       "pass_": pass_},
+    render=lambda p, sc, pass_=pass_: {**PLAIN, "af": 1, "cs": 1, "sx": 1, "store_ds": 0, **p, "hd": sc["hd"],
+                                       "st": sc["st"], "kind": sc["product"], "pass_": pass_},
     doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
-    for pass_ in ("dq", "dkv")}
+    for pass_ in ("dq", "dkv", "dqs")}
 
 
 def ds_scratch_floats(call):
@@ -552,6 +556,25 @@ def ds_scratch_floats(call):
         return call.nseq * call.nh * call.T * (call.T + 1) // 2
     row = (call.W if call.causal else 2 * call.W - 1) if call.W else call.T
     return call.n * call.nh * row
+
+
+def ds_tiles(call):
+    """(tiles, RT) of the matrix-unit backward's stored dS (attention_bwd_mma.cl.mako): 16×16 tiles of
+    256 elements; RT the tiles of a query tile's row, 0 for the causal triangles of equal windows."""
+    nt = -(-call.T // 16)
+    if call.causal and not call.W and call.cu is None:
+        return call.nseq * call.nh * nt * (nt + 1) // 2, 0
+    qt = np.arange(nt)
+    lo = np.maximum(16 * qt + 1 - call.W, 0) // 16 if call.W else 0
+    hi = qt if call.causal else (np.minimum(call.T - 1, 16 * qt + 14 + call.W) // 16 if call.W else (call.T - 1) // 16)
+    rt = int(np.max(hi - lo)) + 1
+    rows = call.nseq * nt if call.cu is None else -(-call.n // 16) + call.nseq
+    return rows * call.nh * rt, rt
+
+
+def ds_tile_floats(call, product):
+    """Floats of the matrix-unit backward's dS scratch: elements of the product's operand type."""
+    return ds_tiles(call)[0] * 256 // (2 if product in ("bf16", "f16") else 1)
 
 
 def store_ds_default(dev, scratch_bytes):
@@ -572,6 +595,7 @@ class _BwdPlan:
     q_groups: tuple
     q_scalars: list
     store_ds: bool
+    floats: int  # of the dS scratch
 
 
 def _bwd_plan(queue, call, store_ds, floats):
@@ -589,43 +613,63 @@ def _bwd_plan(queue, call, store_ds, floats):
                     geom + coefs + call.variant_args(),
                     q_knl["attn_bwd_" + qkind], (-(-call.T // pq["bq"]) * call.nseq * call.nh,),
                     geom + call.variant_args(softcap=False) if store_ds else geom + coefs + call.variant_args(),
-                    store_ds)
+                    store_ds, floats)
 
 
-def _bwd_route(queue, call, store_ds, floats):
-    """The backward's plan: the matrix-unit passes when ``store_ds`` is None and the device's product
-    allows (clops.mma.backward_product), else the portable passes, dS stored as ``store_ds`` (None:
-    store_ds_default) says."""
-    if store_ds is None:
-        product, _ = mma.backward_product(queue, call.st)
-        if product is not None:
-            return _bwd_mma_plan(queue, call, product)
-        store_ds = store_ds_default(queue.device, 4 * floats)
-    return _bwd_plan(queue, call, store_ds, floats)
+def _bwd_route(queue, call, store_ds):
+    """The backward's plan: the matrix-unit passes where the device's product allows
+    (clops.mma.backward_product), else the portable ones; dS stored as ``store_ds`` says (None: the
+    portable ones as store_ds_default says, the matrix units recompute it)."""
+    product, _ = mma.backward_product(queue, call.st)
+    floats = ds_scratch_floats(call) if product is None else ds_tile_floats(call, product)
+    if store_ds is None:  # the matrix units' stored way is not yet measured against recomputing on a GPU
+        store_ds = product is None and store_ds_default(queue.device, 4 * floats)
+    elif store_ds and 4 * floats > queue.device.max_mem_alloc_size:
+        raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
+                         f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({queue.device.max_mem_alloc_size})")
+    if product is None:
+        return _bwd_plan(queue, call, store_ds, floats)
+    return _bwd_mma_plan(queue, call, product, store_ds, floats)
 
 
 @dataclasses.dataclass(frozen=True)
 class _BwdMmaPlan:
-    """The matrix-unit backward's two kernels, grids and scalar arguments for one call's key."""
+    """The matrix-unit backward's kernels, grids and scalar arguments for one call's key: dq (recomputing
+    dS) then dkv, or (``floats``, dS stored) dsum, dkv and dqs."""
     dq: object
     q_groups: tuple
     dkv: object
     kv_groups: tuple
-    scalars: list  # after the buffers (and cu_seqlens), both passes
+    scalars: list  # after the buffers (and cu_seqlens): dq's and dkv's; dqs's (stored)
+    floats: int  # of the dS scratch, 0 for none
+    dsum: object = None
+    dsum_groups: tuple = None
+    q_scalars: list = None
+    kv_extra: list = ()  # after dkv's scalars: the stored dS's RT
+    rows: tuple = ()  # dsum's: (token, head) rows
 
 
-def _bwd_mma_plan(queue, call, product):
+def _bwd_mma_plan(queue, call, product, store, floats):
     sc = {"hd": call.hd, "st": call.st, "product": product}
-    idx = index_type(call.n * call.nh * call.hd)
+    idx = index_type(call.n * call.nh * call.hd, 256 * ds_tiles(call)[0] if store else 0)
     emulate = int(mma.emulated())
-    pq, q_knl = BWD_MMA["dq"].kernels(queue, sc, idx=idx, emulate=emulate, **call.extra())
-    pk, kv_knl = BWD_MMA["dkv"].kernels(queue, sc, idx=idx, emulate=emulate, **call.extra())
-    scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0],
-               np.float32(call.scale)] + call.variant_args()
-    return _BwdMmaPlan(q_knl["attn_bwd_dq"], (call.nh, call.nseq, -(-call.T // (16 * pq["nw"]))),
-                       kv_knl["attn_bwd_dkv"], (call.nkv * (1 if pk["sx"] == 2 else pk["cs"]), call.nseq,
-                                                -(-call.T // (16 * pk["nw"] // pk["sx"]))),
-                       scalars)
+    qpass = "dqs" if store else "dq"
+    # dQ from the stored dS does not depend on the softcap: one build for both
+    pq, q_knl = BWD_MMA[qpass].kernels(queue, sc, idx=idx, emulate=emulate,
+                                       **dict(call.extra(), softcap=0 if store else int(call.softcap > 0)))
+    pk, kv_knl = BWD_MMA["dkv"].kernels(queue, sc, idx=idx, emulate=emulate, store_ds=int(store), **call.extra())
+    geom = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv)]
+    scalars = geom + [call.coefs()[0], np.float32(call.scale)] + call.variant_args()
+    q_groups = (call.nh, call.nseq, -(-call.T // (16 * pq["nw"])))
+    kv_groups = (call.nkv * (1 if pk["sx"] == 2 else pk["cs"]), call.nseq, -(-call.T // (16 * pk["nw"] // pk["sx"])))
+    if not store:
+        return _BwdMmaPlan(q_knl["attn_bwd_dq"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars, 0)
+    rt = ds_tiles(call)[1]
+    band = [np.uint32(rt)] if rt else []
+    rows = call.n * call.nh
+    return _BwdMmaPlan(q_knl["attn_bwd_dqs"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars, floats,
+                       q_knl["attn_bwd_dsum"], (-(-rows // (32 * pq["nw"])),),
+                       geom + call.variant_args(softcap=False) + band, band, (index_scalar(idx)(rows),))
 
 
 def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True,
@@ -635,33 +679,31 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     with the same ``window`` / ``cu_seqlens``, ``causal``, ``sliding_window``, ``softcap`` and ``scale``.
 
     ``dk`` and ``dv`` are summed over the query heads that share each kv head.
-    ``store_ds``: True, the dK/dV pass stores dS in a scratch array (causal over equal
-    windows: ``4·windows·nh·window·(window + 1)/2`` bytes; otherwise ``4·n·nh·R``, R the
-    longest row of keys a query sees: the sliding window W causal, 2W − 1 not, else the
-    window or max_seqlen) and dQ is computed from it; False, the dQ pass recomputes it
-    (no scratch, more arithmetic). Both choose the portable kernels. None (default): the
-    matrix-unit backward where the forward takes the matrix units (:mod:`clops.mma`; it
-    recomputes dS), else the portable one, dS stored when the scratch takes at most an
-    eighth of the device's global memory and fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE).
+    The matrix-unit backward runs where the forward takes the matrix units (:mod:`clops.mma`),
+    the portable one elsewhere. ``store_ds``: True, the dK/dV pass stores dS in a scratch array
+    and dQ is computed from it; False, the dQ pass recomputes it (no scratch, more arithmetic);
+    None (default): on the portable kernels, stored when the scratch takes at most an eighth
+    of the device's global memory and fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE); on the
+    matrix units, recomputed (their stored way is not yet measured on a GPU). The scratch: portable,
+    causal over equal windows ``4·windows·nh·window·(window + 1)/2`` bytes, otherwise
+    ``4·n·nh·R``, R the longest row of keys a query sees (the sliding window W causal, 2W − 1
+    not, else the window or max_seqlen); matrix units, tiles of 16×16 elements (2 bytes at
+    16-bit storage, else 4) over the same pairs, rounded out to whole tiles (:func:`ds_tiles`).
     """
     call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
     n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
     check_array("o", o, queue, shape=q.shape, dtype=q.dtype, like="q")
     check_array("lse", lse, queue, shape=(n, nh))
     check_array("do", do, queue, shape=q.shape, dtype=q.dtype, like="q")
-    floats = ds_scratch_floats(call)
     if store_ds is not None and not isinstance(store_ds, bool):
         raise TypeError(f"store_ds: expected True, False or None, got {store_ds!r}")
-    if store_ds and 4 * floats > queue.device.max_mem_alloc_size:
-        raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
-                         f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({queue.device.max_mem_alloc_size})")
+    plan = BWD["dkv"].plan(queue, (*call.key(), store_ds, mma.mode()), _bwd_route, call, store_ds)
     dq, dk, dv = outputs(queue, allocator, [("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, k.shape)],
                          [("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do)], dtype=q.dtype)
-    plan = BWD["dkv"].plan(queue, (*call.key(), store_ds, mma.mode()), _bwd_route, call, store_ds, floats)
     cu = upload_sequences(queue, call.cu, call.n, allocator)
     seqs = [cu.base_data] if cu is not None else []
     dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
-    if isinstance(plan, _BwdMmaPlan):  # dq first: it stores D for dkv
+    if isinstance(plan, _BwdMmaPlan) and not plan.floats:  # dq first: it stores D for dkv
         e_q = plan.dq(queue, plan.q_groups, [q.base_data, k.base_data, v.base_data, o.base_data, do.base_data,
                                              lse.base_data, dsum, dq.base_data] + seqs + plan.scalars,
                       wait_for=events(wait_for, q, k, v, o, do, lse, dq, cu))
@@ -672,7 +714,20 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
         wrote([e_kv], dk, dv)
         wrote([e_q], dq)
         return dq, dk, dv
-    stored = [scratch(queue, floats, allocator)] if plan.store_ds else []  # dS
+    if isinstance(plan, _BwdMmaPlan):  # dS stored: D, then dkv (storing dS), then dQ from it
+        ds = scratch(queue, plan.floats, allocator)
+        e_sum = plan.dsum(queue, plan.dsum_groups, [o.base_data, do.base_data, dsum, *plan.rows],
+                          wait_for=events(wait_for, o, do))
+        e_kv = plan.dkv(queue, plan.kv_groups, [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data,
+                                                dsum, dk.base_data, dv.base_data, ds] + seqs + plan.scalars + plan.kv_extra,
+                        wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, cu))
+        e_q = plan.dq(queue, plan.q_groups, [k.base_data, ds, dq.base_data] + seqs + plan.q_scalars,
+                      wait_for=[e_kv] + events(None, dq))
+        hold([e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, ds, cu)
+        wrote([e_kv], dk, dv)
+        wrote([e_q], dq)
+        return dq, dk, dv
+    stored = [scratch(queue, plan.floats, allocator)] if plan.store_ds else []  # dS
     e_sum = plan.dsum(queue, plan.dsum_groups, [o.base_data, do.base_data, dsum, np.uint32(n * nh)],
                       wait_for=events(wait_for, o, do))
     ins = [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data, dsum]

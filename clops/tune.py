@@ -241,8 +241,7 @@ def _attention_bwd(products, store_ds):
 
 def _attention_bwd_case(queue, sc, pb, products, store_ds, mode="0"):
     """``mode``: the CLOPS_MMA mode the timed calls run under: "0" the portable passes (the families of
-    attn.BWD, whatever CLOPS_MMA says), or the matrix-unit backward's (store_ds None) at storage
-    ``sc["st"]``."""
+    attn.BWD, whatever CLOPS_MMA says), or the matrix-unit backward's at storage ``sc["st"]``."""
     dtype = storage_dtype(sc.get("st", "float"))
     q, k, v = (x.astype(dtype) for x in _attention_data(pb, sc["hd"]))
     dq, dk, dv = _upload(queue, q, k, v)
@@ -264,10 +263,13 @@ def _attention_bwd_case(queue, sc, pb, products, store_ds, mode="0"):
 
 
 def _attention_bwd_mma(pass_):
-    """One pass of the matrix-unit backward (dq: S, dP, dQ; dkv: S, dP, dV, dK), timed alone."""
+    """One pass of the matrix-unit backward (dq: S, dP, dQ, dS recomputed; dkv: S, dP, dV, dK, dS stored
+    where attention_bwd stores it; dqs: dQ from the stored dS), timed alone."""
+    products, store_ds = {"dq": (3, False), "dkv": (4, None), "dqs": (1, True)}[pass_]
+
     def prepare(queue, sc, pb):
         mode = _mma_mode(queue, sc, mma.backward_product)
-        return _attention_bwd_case(queue, sc, pb, 3 if pass_ == "dq" else 4, None, mode)
+        return _attention_bwd_case(queue, sc, pb, products, store_ds, mode)
 
     return Family(attn.BWD_MMA[pass_], {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem, prepare,
                   f"attention_bwd's {pass_} pass on the matrix-unit driver at storage st (product: its tile "
@@ -385,6 +387,7 @@ FAMILIES = {
                                 "(product: its tile products, the device's or fma)"),
     "attention_bwd_mma_dq": _attention_bwd_mma("dq"),
     "attention_bwd_mma_dkv": _attention_bwd_mma("dkv"),
+    "attention_bwd_mma_dqs": _attention_bwd_mma("dqs"),
     "attention_bwd_dkv": _bwd_family("dkv"),
     "attention_bwd_dq": _bwd_family("dq"),
     "attention_bwd_dqs": _bwd_family("dqs"),

@@ -4,9 +4,10 @@
 Each driver runs with the portable tile products (``CLOPS_MMA=fma``) on every device, and with the
 matrix-unit products where the probe passes (NVIDIA), at the tolerances of tests/test_attention.py
 (float32 storage: 3xTF32 keeps them), tests/test_attention_bwd.py and tests/test_attention_narrow.py
-(16-bit storage). On NVIDIA the other attention tests run the matrix-unit forward too: it is the
-default there at 16-bit storage (their backward tests name ``store_ds``, which takes the portable
-backward; ``store_ds=None`` takes the matrix units).
+(16-bit storage). The backward both ways to dQ: from the dS that the dK/dV pass stored
+(``store_ds=True``) and recomputing it (``store_ds=False``, and the default). On
+NVIDIA the other attention tests run the matrix-unit forward too: it is the default there at 16-bit
+storage (tests/test_attention_narrow.py's backward takes the portable kernels by CLOPS_MMA=0).
 """
 import ml_dtypes
 import numpy as np
@@ -104,8 +105,8 @@ def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw):
     assert (np.isnan(o.get()) == where).all()
 
 
-def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, dkv=None, **kw):
-    """The backward of the matrix-unit driver (store_ds=None) given the reference's o and lse."""
+def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, dkv=None, store_ds=None, **kw):
+    """The backward of the matrix-unit driver given the reference's o and lse."""
     dtype = np.dtype(dtype)
     q, k, v, do = (ref.rnd(s, seed).astype(dtype) for s, seed in (((n, nh, hd), 11), ((n, nkv, hd), 12),
                                                                   ((n, nkv, hd), 13), ((n, nh, hd), 14)))
@@ -114,11 +115,12 @@ def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, dkv
     arrays = (q, k, v, o.astype(dtype), lse.astype(np.float32), do)
     st = clops.args.storage(dtype)
     sc = {"hd": hd, "st": st, "product": mma.backward_product(queue, st)[0]}
-    for pass_, spec in BWD_MMA.items():
+    for pass_, spec in BWD_MMA.items():  # dqs takes the tiles' nw and bk
         extra = dkv if pass_ == "dkv" else None
-        tuning.override(spec.op, sc, dict(tiles, **(extra or {})) if tiles else None)
+        p = {k: v for k, v in dict(tiles or {}, **(extra or {})).items() if k in spec.names}
+        tuning.override(spec.op, sc, p if tiles else None)
     try:
-        got = [g.get() for g in clops.attention_bwd(queue, *to_device(queue, *arrays), **kw)]
+        got = [g.get() for g in clops.attention_bwd(queue, *to_device(queue, *arrays), store_ds=store_ds, **kw)]
     finally:
         for spec in BWD_MMA.values():
             tuning.override(spec.op, sc, None)
@@ -141,24 +143,42 @@ def test_backward_windows_one_kv_head(queue, product, window):
     _check_bwd(queue, product, 2 * window, 4, 1, 32, BF16, window=window)
 
 
+@pytest.fixture(params=[True, False], ids=["ds-stored", "ds-recomputed"])
+def store_ds(request):
+    return request.param
+
+
+@pytest.mark.parametrize("store_ds", [True, False, None], ids=["ds-stored", "ds-recomputed", "default"])
+def test_store_ds_picks_the_passes(queue, product, store_ds):
+    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default): dQ (storing D), then
+    dK/dV."""
+    q, k, v, do = (ref.rnd((40, 2, 16), seed).astype(BF16) for seed in (1, 2, 3, 4))
+    o, lse = ref.attention(q, k, v, window=20)
+    with clops.profile(queue) as prof:
+        clops.attention_bwd(queue, *to_device(queue, q, k, v, o.astype(BF16), lse.astype(np.float32), do), window=20,
+                            store_ds=store_ds)
+    passes = ["attn_bwd_dsum", "attn_bwd_dkv", "attn_bwd_dqs"] if store_ds else ["attn_bwd_dq", "attn_bwd_dkv"]
+    assert [r.name for r in prof.launches] == passes
+
+
 @pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 7, "causal": False},
                                 {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}, WINDOW_2],
                          ids=["non-causal", "sliding-non-causal", "varlen-sliding-softcap", "sliding-2"])
-def test_backward_variants(queue, product, kw):
-    _check_bwd(queue, product, 100, 4, 2, 32, BF16, **kw)
+def test_backward_variants(queue, product, store_ds, kw):
+    _check_bwd(queue, product, 100, 4, 2, 32, BF16, store_ds=store_ds, **kw)
 
 
 @pytest.mark.parametrize("tiles, sx, hd", [({"nw": 3, "bk": 48, "af": 1}, 1, 48), ({"nw": 1, "bk": 16, "af": 2}, 1, 48),
                                            ({"nw": 2, "bk": 32, "af": 1}, 2, 64)])
-def test_backward_tiles(queue, product, tiles, sx, hd):
-    """dkv's column split (cs = 2) across groups (sx = 1) or across the warps of a pair (sx = 2);
-    af = 2 reads the A operands at each step."""
-    _check_bwd(queue, product, 90, 2, 1, hd, BF16, tiles=tiles, dkv={"cs": 2, "sx": sx}, window=45)
+def test_backward_tiles(queue, product, store_ds, tiles, sx, hd):
+    """dkv's column split (cs = 2) across groups (sx = 1) or across the warps of a pair (sx = 2), each
+    storing dS once; af = 2 reads the A operands at each step."""
+    _check_bwd(queue, product, 90, 2, 1, hd, BF16, tiles=tiles, dkv={"cs": 2, "sx": sx}, store_ds=store_ds, window=45)
 
 
 @pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
                          ids=["causal", "sliding-non-causal"])
-def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, kw):
+def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, store_ds, kw):
     """A NaN of K at key 37 reaches dQ only in the rows that see key 37 (and dK, dV of that key); a NaN
     of Q or dO at row 37 reaches dK and dV only at the keys that row 37 sees (and dQ of that row):
     matrix products would multiply it by the zero P or dS of the other pairs."""
@@ -174,7 +194,7 @@ def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, k
         arrays = {"q": q.copy(), "k": k.copy(), "do": do.copy()}
         arrays[name][pos, 0, col] = np.nan
         got = clops.attention_bwd(queue, *to_device(queue, arrays["q"], arrays["k"], v, o.astype(np.float32),
-                                                    lse.astype(np.float32), arrays["do"]), **kw)
+                                                    lse.astype(np.float32), arrays["do"]), store_ds=store_ds, **kw)
         for grad, g, w in zip(("dq", "dk", "dv"), got, want):
             assert (np.isnan(g.get()).any(-1)[:, 0] == w).all(), f"NaN of {name}: {grad}"
 
@@ -210,15 +230,18 @@ def test_path_choice(queue, monkeypatch):
 # The matrix-unit products' own code, its PTX emulated with 32-wide sub-groups (tile_products.cl.mako,
 # CLOPS_MMA=emulate), through both drivers where a device has such sub-groups (Intel's CPU runtime):
 # lean, as each case builds its kernels emulated, seconds apiece: f16 in the forward only (the backward's
-# driver is the same for both 16-bit kinds). (way, head dim, dtype, keywords)
+# driver is the same for both 16-bit kinds); the backward with dS recomputed (the default), and stored
+# once. (way, head dim, dtype, keywords)
 EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
             ("fwd", 40, np.float32, {"window": 50}), ("bwd", 32, BF16, WINDOW_2),
+            ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})]
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
-                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40", "bwd-bf16-sliding-2", "bwd-tf32x3-varlen-softcap"])
+                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40", "bwd-bf16-sliding-2",
+                              "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
     ok, why = mma.probe(queue.device, queue.context, emulate=True)
     if not ok:

@@ -389,24 +389,25 @@ def run_attention_bwd_mma(queue):
     from clops import mma, reference as ref, tuning
     from clops.reference import rnd
 
-    # The matrix-unit backward's two passes with the portable products, the forward tour's tiles
-    # and shapes, given the reference's o and lse.
+    # The matrix-unit backward's passes with the portable products, the forward tour's tiles and
+    # shapes, given the reference's o and lse; dS recomputed (dq, dkv), and stored (dkv, dqs) once.
     nh, nkv, n = 4, 2, 34
     with mma.using("fma"):
         for hd, dtype, kw in ((8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
                               (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
-                              (32, "bfloat16", dict(window=34))):
+                              (32, "bfloat16", dict(window=34)), (32, "bfloat16", dict(window=34, store_ds=True))):
             # at hd 32 dkv's column halves are the two warps of a pair (sx), summing S and dP through local memory
-            for spec, tiles in (("attention_bwd_mma_dq", {}),
-                                ("attention_bwd_mma_dkv", {"cs": 2, "sx": 2} if hd == 32 else {"cs": 1, "sx": 1})):
+            for spec, tiles in (("attention_bwd_mma_dq", {"af": 1}), ("attention_bwd_mma_dqs", {}),
+                                ("attention_bwd_mma_dkv", {"cs": 2, "sx": 2, "af": 1} if hd == 32 else {"cs": 1, "sx": 1, "af": 1})):
                 tuning.override(spec, {"hd": hd, "st": "float" if dtype == "float32" else "bf16", "product": "fma"},
-                                dict(tiles, nw=2, bk=16, af=1))
+                                dict(tiles, nw=2, bk=16))
             q, k, v, do = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
                                                                             ((n, nkv, hd), 33), ((n, nh, hd), 34)))
-            wo, wlse = ref.attention(q, k, v, **kw)
+            fwd = {k: v for k, v in kw.items() if k != "store_ds"}
+            wo, wlse = ref.attention(q, k, v, **fwd)
             arrays = (q, k, v, wo.astype(dtype), wlse.astype(np.float32), do)
             grads = clops.attention_bwd(queue, *(cla.to_device(queue, a) for a in arrays), **kw)
-            for name, got, w in zip(("dq", "dk", "dv"), grads, ref.attention_bwd(*arrays, **kw)):
+            for name, got, w in zip(("dq", "dk", "dv"), grads, ref.attention_bwd(*arrays, **fwd)):
                 _expect(f"attention_bwd_mma {name} {kw}", got, w, 1e-5 if dtype == "float32" else NARROW_TOL)
 
 
