@@ -189,20 +189,9 @@ ${tp.pv(kind, st, False, seen_t, **args)}\
 ${tp.pv(kind, st, False, seen_t, **args)}\
 % endif
 </%def>
-% if pass_ == "dq":
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
-void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
-                 __global const ${et} *restrict v, __global const ${et} *restrict o,
-                 __global const ${et} *restrict dO, __global const float *restrict lse,
-                 __global float *restrict dsum, __global ${et} *restrict dq,${"""
-                 __global const int *restrict cu,""" if varlen else ""}
-                 const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "dO", "lse", "dsum", "dq"] + ["cu"] * varlen)})
-{
-    __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
-    __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
-    __local int nonfinite[2];                 // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
-${tp.locals(kind, quads=False)}\
-
+## dq and dqs: the group's query rows (head h of window w, block q0 of BQ rows, warp wi's from row0), the
+## rows' and keys' bases, and the key blocks kb0 .. nkb − 1 holding a key that a row of the block sees.
+<%def name="query_rows()">\
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
     const uint h = get_group_id(0), w = get_group_id(1);
     const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
@@ -217,6 +206,22 @@ ${tp.locals(kind, quads=False)}\
     const uint qlast = min(q0 + BQ, T) - 1;
     const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
+</%def>
+% if pass_ == "dq":
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
+void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
+                 __global const ${et} *restrict v, __global const ${et} *restrict o,
+                 __global const ${et} *restrict dO, __global const float *restrict lse,
+                 __global float *restrict dsum, __global ${et} *restrict dq,${"""
+                 __global const int *restrict cu,""" if varlen else ""}
+                 const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "dO", "lse", "dsum", "dq"] + ["cu"] * varlen)})
+{
+    __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
+    __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
+    __local int nonfinite[2];                 // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
+${tp.locals(kind, quads=False)}\
+
+${query_rows()}
 
     // D = Σ dO·O of rows g and g + 8, stored for the dkv pass, and −lse·log2 e of the rows, held
     // negated: Intel's CPU runtime, optimising, keeps one copy per work-group of a negation it makes
@@ -454,20 +459,7 @@ void attn_bwd_dqs(__global const ${et} *restrict k, __global const ${ctype(dse)}
     __local int nonfinite[2];                                    // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
 ${tp.locals(kind, quads=False)}\
 
-    const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
-    const uint h = get_group_id(0), w = get_group_id(1);
-    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
-% if varlen:
-    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
-% endif
-    const uint nkv = nh / rep;
-    const uint qstride = nh * HD, kstride = nkv * HD;  // elements
-    const idx_t qbase = (idx_t)${tok0} * qstride + h * HD;
-    const idx_t kbase = (idx_t)${tok0} * kstride + (h / rep) * HD;
-    // the key blocks holding a key that a row of the block sees (none past the sequence's end)
-    const uint qlast = min(q0 + BQ, T) - 1;
-    const uint kb0 = ${"q0 + 1 > W ? (q0 + 1 - W) / BK : 0" if sliding else "0"};
-    const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
+${query_rows()}
     const uint qt = row0 / 16;  // the warp's query tile
 ${zeros("acc", "HD / 8")}\
 
