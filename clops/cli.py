@@ -44,6 +44,9 @@ def info(args):
         for way, choose in (("forward", forward_product), ("backward", backward_product)):
             product, why = choose(queue, st)
             path = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
+            if way == "backward":  # attention_bwd's store_ds=None
+                path += (", dS stored where its scratch fits" if product is None
+                         else ", dS recomputed (store_ds=True stores it)")
             print(f"attention {way} at {name}: {path} ({why})")
     print("kernel parameters there, per family at the shape class clops tune starts from:")
     from .tune import FAMILIES as TUNED

@@ -263,10 +263,21 @@ def test_probe_rejects_a_wrong_tile(queue, monkeypatch):
 
 
 def test_info_names_the_attention_path(capsys):
+    """Each direction's kernels at each storage type, and the backward's way to dQ by default."""
+    from clops import runtime
     from clops.cli import main
 
     assert main(["info"]) == 0
-    assert "attention forward at float32:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    queue = runtime.default_queue()
+    for st, name in (("float", "float32"), ("bf16", "bfloat16"), ("half", "float16")):
+        fwd, bwd = (next(x for x in out.splitlines() if x.startswith(f"attention {way} at {name}: "))
+                    for way in ("forward", "backward"))
+        product = mma.backward_product(queue, st)[0]
+        kernels = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
+        assert fwd.split(": ", 1)[1].startswith(kernels)
+        assert bwd.split(": ", 1)[1].startswith(kernels + (", dS stored where its scratch fits" if product is None
+                                                           else ", dS recomputed"))
 
 
 def test_local_memory_spec_fits_every_head_dim(queue):
