@@ -439,7 +439,7 @@ ${tp.commit(kind)}\
 // D = Σ dO·O of each (token, head) row, one work-item a row, summed as dq's lanes sum it.
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dsum(__global const ${et} *restrict o, __global const ${et} *restrict dO, __global float *restrict dsum,
-                   const idx_t rows${checked_args("o", "dO", "dsum")})
+                   const uint rows${checked_args("o", "dO", "dsum")})
 {
     const idx_t r = get_global_id(0);
     if (r >= rows)

@@ -48,7 +48,7 @@ import numpy as np
 import pyopencl as cl
 
 from .args import (F32, FLOAT32_MAX, FLOATS, check_array, check_queue, check_sequences, events, finite_float, flag,
-                   hold, index_scalar, index_type, outputs, positive_int, scratch, storage, upload_sequences, wrote)
+                   hold, index_type, outputs, positive_int, scratch, storage, upload_sequences, wrote)
 from . import mma
 from .program import LimitError
 from .spec import Spec
@@ -585,12 +585,13 @@ def store_ds_default(dev, scratch_bytes):
 
 @dataclasses.dataclass(frozen=True)
 class _BwdPlan:
-    """The backward's kernels, grids and fixed scalar arguments for one call's key."""
+    """The backward's kernels, grids and fixed scalar arguments for one call's key: D, dK/dV, then dQ (from
+    the stored dS, or recomputing it); the portable passes, or the matrix units' with dS stored."""
     dsum: object
     dsum_groups: tuple
     dkv: object
     kv_groups: tuple
-    kv_scalars: list  # after the buffers (and cu_seqlens): geometry, coefficients, variant
+    kv_scalars: list  # after the buffers (and cu_seqlens): geometry, coefficients, variant (matrix units: RT)
     dq: object  # attn_bwd_dqs (dS stored) or attn_bwd_dq
     q_groups: tuple
     q_scalars: list
@@ -634,19 +635,13 @@ def _bwd_route(queue, call, store_ds):
 
 @dataclasses.dataclass(frozen=True)
 class _BwdMmaPlan:
-    """The matrix-unit backward's kernels, grids and scalar arguments for one call's key: dq (recomputing
-    dS) then dkv, or (``floats``, dS stored) dsum, dkv and dqs."""
+    """The matrix-unit backward's two kernels, grids and scalar arguments for one call's key, dS
+    recomputed (stored, it takes a _BwdPlan: the portable passes' order and arguments)."""
     dq: object
     q_groups: tuple
     dkv: object
     kv_groups: tuple
-    scalars: list  # after the buffers (and cu_seqlens): dq's and dkv's; dqs's (stored)
-    floats: int  # of the dS scratch, 0 for none
-    dsum: object = None
-    dsum_groups: tuple = None
-    q_scalars: list = None
-    kv_extra: list = ()  # after dkv's scalars: the stored dS's RT
-    rows: tuple = ()  # dsum's: (token, head) rows
+    scalars: list  # after the buffers (and cu_seqlens), both passes
 
 
 def _bwd_mma_plan(queue, call, product, store, floats):
@@ -663,13 +658,12 @@ def _bwd_mma_plan(queue, call, product, store, floats):
     q_groups = (call.nh, call.nseq, -(-call.T // (16 * pq["nw"])))
     kv_groups = (call.nkv * (1 if pk["sx"] == 2 else pk["cs"]), call.nseq, -(-call.T // (16 * pk["nw"] // pk["sx"])))
     if not store:
-        return _BwdMmaPlan(q_knl["attn_bwd_dq"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars, 0)
+        return _BwdMmaPlan(q_knl["attn_bwd_dq"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars)
     rt = ds_tiles(call)[1]
-    band = [np.uint32(rt)] if rt else []
-    rows = call.n * call.nh
-    return _BwdMmaPlan(q_knl["attn_bwd_dqs"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars, floats,
-                       q_knl["attn_bwd_dsum"], (-(-rows // (32 * pq["nw"])),),
-                       geom + call.variant_args(softcap=False) + band, band, (index_scalar(idx)(rows),))
+    band = [np.uint32(rt)] if rt else []  # the stored dS's tiles a query tile, where not triangles
+    return _BwdPlan(q_knl["attn_bwd_dsum"], (-(-call.n * call.nh // (32 * pq["nw"])),),
+                    kv_knl["attn_bwd_dkv"], kv_groups, scalars + band,
+                    q_knl["attn_bwd_dqs"], q_groups, geom + call.variant_args(softcap=False) + band, True, floats)
 
 
 def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True,
@@ -703,7 +697,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     cu = upload_sequences(queue, call.cu, call.n, allocator)
     seqs = [cu.base_data] if cu is not None else []
     dsum = scratch(queue, n * nh, allocator)  # D = Σ dO·O
-    if isinstance(plan, _BwdMmaPlan) and not plan.floats:  # dq first: it stores D for dkv
+    if isinstance(plan, _BwdMmaPlan):  # dq first: it stores D for dkv
         e_q = plan.dq(queue, plan.q_groups, [q.base_data, k.base_data, v.base_data, o.base_data, do.base_data,
                                              lse.base_data, dsum, dq.base_data] + seqs + plan.scalars,
                       wait_for=events(wait_for, q, k, v, o, do, lse, dq, cu))
@@ -711,19 +705,6 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
                                                 dsum, dk.base_data, dv.base_data] + seqs + plan.scalars,
                         wait_for=[e_q] + events(None, dk, dv))
         hold([e_kv], q, k, v, o, lse, do, dq, dk, dv, dsum, cu)
-        wrote([e_kv], dk, dv)
-        wrote([e_q], dq)
-        return dq, dk, dv
-    if isinstance(plan, _BwdMmaPlan):  # dS stored: D, then dkv (storing dS), then dQ from it
-        ds = scratch(queue, plan.floats, allocator)
-        e_sum = plan.dsum(queue, plan.dsum_groups, [o.base_data, do.base_data, dsum, *plan.rows],
-                          wait_for=events(wait_for, o, do))
-        e_kv = plan.dkv(queue, plan.kv_groups, [q.base_data, k.base_data, v.base_data, do.base_data, lse.base_data,
-                                                dsum, dk.base_data, dv.base_data, ds] + seqs + plan.scalars + plan.kv_extra,
-                        wait_for=[e_sum] + events(None, q, k, v, lse, dk, dv, cu))
-        e_q = plan.dq(queue, plan.q_groups, [k.base_data, ds, dq.base_data] + seqs + plan.q_scalars,
-                      wait_for=[e_kv] + events(None, dq))
-        hold([e_q], q, k, v, o, lse, do, dq, dk, dv, dsum, ds, cu)
         wrote([e_kv], dk, dv)
         wrote([e_q], dq)
         return dq, dk, dv
