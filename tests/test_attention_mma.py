@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import clops
-from clops import mma, reference as ref, tuning
+from clops import mma, program, reference as ref, tuning
 from clops.attn import BWD_MMA, FWD_MMA
 from helpers import assert_storage_close, to_device
 from test_attention import LSE_TOL, O_TOL
@@ -174,6 +174,18 @@ def test_backward_tiles(queue, product, store_ds, tiles, sx, hd):
     """dkv's column split (cs = 2) across groups (sx = 1) or across the warps of a pair (sx = 2), each
     storing dS once; af = 2 reads the A operands at each step."""
     _check_bwd(queue, product, 90, 2, 1, hd, BF16, tiles=tiles, dkv={"cs": 2, "sx": sx}, store_ds=store_ds, window=45)
+
+
+@pytest.mark.parametrize("n, kw", [(66, {"window": 33}), (66, {"window": 33, "sliding_window": 5, "causal": False}),
+                                  (81, {"cu_seqlens": np.array([0, 0, 17, 17, 50, 81], np.int32), "sliding_window": 9})],
+                         ids=["causal", "sliding-non-causal", "varlen-sliding"])
+def test_stored_ds_stays_inside_its_scratch(queue, monkeypatch, n, kw):
+    """Checked builds (every global access guarded) of the stored way at edges: windows not a multiple of
+    the 16×16 tiles, empty sequences; the tiles dkv writes and dqs reads lie inside attn.ds_tiles' scratch."""
+    monkeypatch.setenv("CLOPS_CHECKED", "1")
+    program.reload_switches()  # CLOPS_CHECKED is read once
+    with mma.using("fma"):
+        _check_bwd(queue, "fma", n, 2, 1, 16, BF16, store_ds=True, **kw)
 
 
 @pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
