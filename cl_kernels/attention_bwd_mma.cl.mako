@@ -480,31 +480,29 @@ ${tp.landed(kind, 0)}\
 ${tp.stage(kind, st, "kst[(kb + 1) & 1]", "k", "k0 + BK")}\
         }
 ${tp.commit(kind)}\
-% if kind in ("bf16", "f16"):
-        uint4 dsw[BK / 16];  // dS of the warp's rows and the block's keys as stored (the A words), 0 outside the tiles
+<%
+    words = kind in ("bf16", "f16")  # the stored tiles are the product's A words as they stand
+    sv = "uint4" if words else "float8"
+    # dp[BK/8][4]: the block's dS as floats in the accumulator layout (pv's P), from the tiles dsv
+    dp_floats = "\n".join([
+        "        float dp[BK / 8][4];",
+        "        #pragma unroll",
+        "        for (int jj = 0; jj < BK / 16; ++jj) {",
+        "            const float8 x = %s;" % (("clops_%s_to_float8(as_ushort8(dsv[jj]))" % dse) if words else "dsv[jj]"),
+        "            dp[2 * jj][0] = x.s0; dp[2 * jj][1] = x.s1; dp[2 * jj][2] = x.s2; dp[2 * jj][3] = x.s3;",
+        "            dp[2 * jj + 1][0] = x.s4; dp[2 * jj + 1][1] = x.s5; dp[2 * jj + 1][2] = x.s6; dp[2 * jj + 1][3] = x.s7;",
+        "        }"])
+%>\
+        ${sv} dsv[BK / 16];  // the warp's rows of the block's stored dS tiles, 0 outside the tiles
         #pragma unroll
         for (int jj = 0; jj < BK / 16; ++jj) {
             const uint kt = k0 / 16 + jj;
-            dsw[jj] = row0 < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)
-                ? *(__global const uint4 *)(ds + ${at("ds", "DS_TILE(h, qt, kt) + 8 * lane", 8)}) : (uint4)(0u);
+            dsv[jj] = row0 < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)
+                ? *(__global const ${sv} *)(ds + ${at("ds", "DS_TILE(h, qt, kt) + 8 * lane", 8)}) : (${sv})(0);
         }
-% else:
-        float dp[BK / 8][4];  // dS of the warp's rows and the block's keys, 0 outside the stored tiles
-        #pragma unroll
-        for (int jj = 0; jj < BK / 16; ++jj) {
-            const uint kt = k0 / 16 + jj;
-            if (row0 < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)) {
-                const idx_t at0 = DS_TILE(h, qt, kt) + 8 * lane;
-                const float4 lo = *(__global const float4 *)(ds + ${at("ds", "at0", 4)}), hi = *(__global const float4 *)(ds + ${at("ds", "at0 + 4", 4)});
-                dp[2 * jj][0] = lo.s0; dp[2 * jj][1] = lo.s1; dp[2 * jj][2] = lo.s2; dp[2 * jj][3] = lo.s3;
-                dp[2 * jj + 1][0] = hi.s0; dp[2 * jj + 1][1] = hi.s1; dp[2 * jj + 1][2] = hi.s2; dp[2 * jj + 1][3] = hi.s3;
-            } else {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[2 * jj][e] = dp[2 * jj + 1][e] = 0.0f;
-            }
-        }
+% if not words:
+${dp_floats}
 % endif
-<% words = "dsw" if kind in ("bf16", "f16") else None %>\
 % if masked:
         const bool edge = ${" || ".join(masked)};  // some row does not see some key of the block
         if (edge) {  // only such a block reads the flag
@@ -513,20 +511,15 @@ ${tp.scan(st, "ks", "nonfinite[kb & 1]")}\
         }
         if (edge && nonfinite[kb & 1]) {
 %   if words:
-            float dp[BK / 8][4];  // the exact masked form takes dS as floats
-            #pragma unroll
-            for (int jj = 0; jj < BK / 16; ++jj) {
-                const float8 x = clops_${dse}_to_float8(as_ushort8(dsw[jj]));
-                dp[2 * jj][0] = x.s0; dp[2 * jj][1] = x.s1; dp[2 * jj][2] = x.s2; dp[2 * jj][3] = x.s3;
-                dp[2 * jj + 1][0] = x.s4; dp[2 * jj + 1][1] = x.s5; dp[2 * jj + 1][2] = x.s6; dp[2 * jj + 1][3] = x.s7;
-            }
+        // the exact masked form takes dS as floats
+${dp_floats}
 %   endif
 ${tp.pv(kind, st, True, visible, p="dp", bs="ks")}\
         } else {
-${tp.pv(kind, st, False, visible, p="dp", bs="ks", words=words)}\
+${tp.pv(kind, st, False, visible, p="dp", bs="ks", words="dsv" if words else None)}\
         }
 % else:
-${tp.pv(kind, st, False, visible, p="dp", bs="ks", words=words)}\
+${tp.pv(kind, st, False, visible, p="dp", bs="ks", words="dsv" if words else None)}\
 % endif
     }
     ${store_rows("acc", "dq", "qbase", "qstride")}

@@ -646,7 +646,8 @@ class _BwdMmaPlan:
 
 def _bwd_mma_plan(queue, call, product, store, floats):
     sc = {"hd": call.hd, "st": call.st, "product": product}
-    idx = index_type(call.n * call.nh * call.hd, 256 * ds_tiles(call)[0] if store else 0)
+    tiles, rt = ds_tiles(call) if store else (0, 0)
+    idx = index_type(call.n * call.nh * call.hd, 256 * tiles)
     emulate = int(mma.emulated())
     qpass = "dqs" if store else "dq"
     # dQ from the stored dS does not depend on the softcap: one build for both
@@ -659,7 +660,6 @@ def _bwd_mma_plan(queue, call, product, store, floats):
     kv_groups = (call.nkv * (1 if pk["sx"] == 2 else pk["cs"]), call.nseq, -(-call.T // (16 * pk["nw"] // pk["sx"])))
     if not store:
         return _BwdMmaPlan(q_knl["attn_bwd_dq"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars)
-    rt = ds_tiles(call)[1]
     band = [np.uint32(rt)] if rt else []  # the stored dS's tiles a query tile, where not triangles
     return _BwdPlan(q_knl["attn_bwd_dsum"], (-(-call.n * call.nh // (32 * pq["nw"])),),
                     kv_knl["attn_bwd_dkv"], kv_groups, scalars + band,
