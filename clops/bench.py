@@ -16,7 +16,8 @@ The attention variants (non-causal, softcap 30, varlen: seeded lengths between 1
 and 2·window over the shape's tokens, offsets on the device; sliding windows of
 512 and 4096 over one sequence of all the shape's tokens) count the FLOPs of
 the (query, key) pairs they leave unmasked (:func:`attention_pairs`), forward
-4·nh·hd per pair, the backward 2.5 times that.
+4·nh·hd per pair, the backward 2.5 times that. The rows "dS-stored" and "dS-recomputed" time
+forward + backward with ``attention_bwd(store_ds=True / False)``, whichever way is the default.
 
 ``--dtype float16`` / ``bfloat16`` runs every op that takes 16-bit storage with
 its activations (and weights) at that dtype, statistics and master state staying
@@ -348,9 +349,10 @@ def _peer_xent(n, vocab, backward):
     return make
 
 
-def _attention(backward, windows, window, nh, nkv, hd, lengths=None, **variant):
+def _attention(backward, windows, window, nh, nkv, hd, lengths=None, bwd=None, **variant):
     """Attention over equal windows, or (``lengths``) sequences of those lengths, with ``variant``'s
-    keywords; a variant's FLOPs count its visible (query, key) pairs (:func:`attention_pairs`)."""
+    keywords (``bwd``'s too for the backward); a variant's FLOPs count its visible (query, key)
+    pairs (:func:`attention_pairs`)."""
     def setup(queue, data):
         n = windows * window
         q, k, v = data.get((n, nh, hd), 1), data.get((n, nkv, hd), 2), data.get((n, nkv, hd), 3)
@@ -371,7 +373,7 @@ def _attention(backward, windows, window, nh, nkv, hd, lengths=None, **variant):
 
         def call():
             o, lse = clops.attention(queue, q, k, v, allocator=data.pool, **kw)
-            return clops.attention_bwd(queue, q, k, v, o, lse, do, allocator=data.pool, **kw)
+            return clops.attention_bwd(queue, q, k, v, o, lse, do, allocator=data.pool, **kw, **(bwd or {}))
 
         return call, 3.5 * flops
 
@@ -504,6 +506,10 @@ def benches(small):
             peers = ((f"SDPA gqa{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, False, *geo)),
                      (f"SDPA expanded K/V{' fwd+bwd' if backward else ''}", _peer_sdpa(backward, True, *geo)))
             out.append(Bench(f"{label} {name}", shape, "TFLOP/s", _attention(backward, *geo), peers))
+        for stored in (True, False):  # both of the backward's ways to dQ, whichever is the default here
+            way = "dS-stored" if stored else "dS-recomputed"
+            out.append(Bench(f"attention+attention_bwd {way} {name}", shape, "TFLOP/s",
+                             _attention(True, *geo, bwd={"store_ds": stored})))
     for name, (windows, window, nh, nkv, hd) in shapes.items():
         tok, heads = windows * window, f"nh={nh} nkv={nkv} hd={hd}"
         lengths = varlen_lengths(tok, window)

@@ -37,7 +37,7 @@ def test_varlen_lengths():
 def test_bench_small_json(queue, tmp_path):
     path = tmp_path / "bench.json"
     lines = []
-    only = ["swiglu_bwd", "rms_norm_dw", "qk_norm_rope small", "attention small-hd64"]
+    only = ["swiglu_bwd", "rms_norm_dw", "qk_norm_rope small", "attention small-hd64", "dS-recomputed small-hd64"]
     rc = bench.main(["--small", "--json", str(path), "--peers"] + sum((["--only", o] for o in only), []),
                     queue=queue, out=lines.append)
     data = json.loads(path.read_text())
