@@ -282,7 +282,7 @@ def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, 
     log-sum-exp of the (capped) scaled scores of each (row, head).
     """
     call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
-    n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
+    n, nh, hd = call.n, call.nh, call.hd
     out, lse = outputs(queue, allocator, [("out", out, (n, nh, hd)), ("lse", lse, (n, nh), F32)],
                        [("q", q), ("k", k), ("v", v)], dtype=q.dtype)
     knl, groups, scalars = FWD.plan(queue, (*call.key(), mma.mode()), _fwd_plan, call)
@@ -685,7 +685,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     16-bit storage, else 4) over the same pairs, rounded out to whole tiles (:func:`ds_tiles`).
     """
     call = _check_call(queue, q, k, v, window, cu_seqlens, max_seqlen, causal, sliding_window, softcap, scale)
-    n, nh, nkv, hd = call.n, call.nh, call.nkv, call.hd
+    n, nh = call.n, call.nh
     check_array("o", o, queue, shape=q.shape, dtype=q.dtype, like="q")
     check_array("lse", lse, queue, shape=(n, nh))
     check_array("do", do, queue, shape=q.shape, dtype=q.dtype, like="q")

@@ -24,12 +24,15 @@ Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, f
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
 
-Tuning (``clops.tuning``; the specs ``ROWS`` and ``DW``), shape class ``{"d": d}``:
+Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW`` and ``DW``), shape class ``{"d": d, "st":
+st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) for the row kernels,
+``{"d": d}`` for ``rms_norm_dw``:
 
 - op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
   ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
   two ≤ ``vw`` that divides ``d`` is used, so rows start on vector boundaries), ``rpg`` rows
-  per group (divides ``wg``; a row is shared by ``wg/rpg`` work-items).
+  per group (divides ``wg``; a row is shared by ``wg/rpg`` work-items). The heuristic loads
+  16 bytes a vector: ``vw`` 4 at float32, 8 at 16-bit storage.
 - op ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``,
   ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg`` as above (``rpg`` rows
   per step), ``gpc`` groups per compute unit: the grid is at most ``gpc`` ×
@@ -45,7 +48,7 @@ import numpy as np
 import pyopencl as cl
 
 from .args import (F32, FLOATS, check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type,
-                   outputs, scratch, storage, wrote)
+                   outputs, scratch, storage, storage_dtype, wrote)
 from .spec import Spec
 
 TEMPLATE = "rms_norm.cl.mako"
@@ -71,10 +74,12 @@ def wg_cap(dev):
 
 
 def heuristic_rows(dev, sc):
-    """About 8 vectors per work-item, up to 256 work-items per row; small rows share a group.
-    (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to 256 at d = 4097.)"""
+    """Vectors of 16 bytes, about 8 of them per work-item, up to 256 work-items per row; small rows
+    share a group. (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to
+    256 at d = 4097. At bf16, vw 8 took rms_norm_bwd from 67 % to 76 % of the copy bandwidth on the
+    H200 at d = 5120, and the one-pass backwards' best tiles had it too.)"""
     d = sc["d"]
-    vw = vector_width(4, d)
+    vw = vector_width(16 // storage_dtype(sc["st"]).itemsize, d)
     tpr = min(pow2_ceil(-(-d // (vw * 8))), wg_cap(dev), 256)
     wg = max(tpr, min(64, wg_cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr}
@@ -174,7 +179,7 @@ def check_gain(name, w, queue, x, shape):
 
 
 def _row_plan(queue, name, n, d, st, wst):
-    sc = {"d": d}
+    sc = {"d": d, "st": st}
     p = ROWS.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
     _, knl = ROWS.kernels(queue, sc, idx=idx, st=st, wst=wst)
@@ -246,7 +251,7 @@ def bwd_dw_groups(dev, p, n, min_steps=MIN_STEPS):
 
 
 def _bwd_dw_plan(queue, name, n, d, st, wst):
-    sc = {"d": d}
+    sc = {"d": d, "st": st}
     p = BWD_DW.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)
     _, knl = BWD_DW.kernels(queue, sc, idx=idx, st=st, wst=wst)

@@ -133,15 +133,22 @@ def _elementwise(queue, sc, pb):
 
 # ---- RMSNorm rows (forward + backward) and the gain gradient ----
 
-def _norm_data(queue, pb, d):
-    n = pb["rows"]
-    x, w, dy = ref.rnd((n, d), 1, 2.0), ref.rnd(d, 2, 1.0), ref.rnd((n, d), 3, 1.0)
+def _norm_data(queue, pb, d, st="float"):
+    """x and dy [rows, d] of storage ``st``, a float32 gain w [d]: host and device copies."""
+    n, dtype = pb["rows"], storage_dtype(st)
+    x, w, dy = ref.rnd((n, d), 1, 2.0).astype(dtype), ref.rnd(d, 2, 1.0), ref.rnd((n, d), 3, 1.0).astype(dtype)
     return (x, w, dy), _upload(queue, x, w, dy)
 
 
+def _norm_tol(st, tol):
+    """``tol`` at float32; at 16-bit storage the relative L2 of the outputs' one rounding (about 2⁻⁹)."""
+    return tol if st == "float" else 1e-2
+
+
 def _rms_norm(queue, sc, pb):
-    d = sc["d"]
-    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
+    """rms_norm + rms_norm_bwd, x and dy of storage ``sc["st"]``; the work counted is the bytes moved."""
+    d, st = sc["d"], sc["st"]
+    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
     pool = _pool(queue)
 
     def call():
@@ -152,9 +159,9 @@ def _rms_norm(queue, sc, pb):
         y, inv = ref.rms_norm(x, w)
         return y, inv, ref.rms_norm_bwd(x, w, inv, dy)
 
-    n = pb["rows"]
-    work = _nbytes((n, d), (d,), (n, d), (n,)) + _nbytes((n, d), (d,), (n,), (n, d), (n, d))
-    return Case(call, reference, (FWD, FWD, BWD), "GB/s", work)
+    n, rows = pb["rows"], x.nbytes
+    work = 3 * rows + _nbytes((d,), (n,)) + 3 * rows + _nbytes((d,), (n,))  # x, y; x, dy, dx; w, inv each time
+    return Case(call, reference, (_norm_tol(st, FWD), FWD, _norm_tol(st, BWD)), "GB/s", work)
 
 
 def _rms_norm_dw(queue, sc, pb):
@@ -170,15 +177,15 @@ def _rms_norm_dw(queue, sc, pb):
 def _rms_norm_bwd_dw(queue, sc, pb):
     """The one-pass backward (rms_norm_bwd with the gain gradient); add_rms_norm_bwd shares its kernel's
     parameters (the same pass with ds read and added)."""
-    d, n = sc["d"], pb["rows"]
-    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d)
+    d, n, st = sc["d"], pb["rows"], sc["st"]
+    (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
     _, inv = ref.rms_norm(x, w)
     inv = inv.astype(np.float32)
     (dinv,) = _upload(queue, inv)
     pool = _pool(queue)
     return Case(lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool),
-                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (BWD, BWD), "GB/s",
-                _nbytes((n, d), (d,), (n,), (n, d), (n, d), (d,)))
+                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (_norm_tol(st, BWD), BWD),
+                "GB/s", 3 * x.nbytes + _nbytes((d,), (n,), (d,)))  # x, dy, dx; w, inv, dw
 
 
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
@@ -373,12 +380,13 @@ FAMILIES = {
         elementwise.SPEC, {},
         lambda sc, small: {"rows": 64, "width": 960} if small else {"rows": _TOKENS, "width": 3 * 5120},
         _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
-    "rms_norm": Family(norm.ROWS, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
-                       _rms_norm, "rms_norm + rms_norm_bwd on [rows, d]"),
+    "rms_norm": Family(norm.ROWS, {"d": 5120, "st": "float"}, lambda sc, small: {"rows": 256 if small else _TOKENS},
+                       _rms_norm, "rms_norm + rms_norm_bwd on [rows, d] of storage st (float, half, bf16)"),
     "rms_norm_dw": Family(norm.DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
                           _rms_norm_dw, "rms_norm_dw on [rows, d]"),
-    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
-                              _rms_norm_bwd_dw, "rms_norm_bwd(want_dw=True) on [rows, d]: dx and dw in one pass "
+    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
+                              lambda sc, small: {"rows": 256 if small else _TOKENS}, _rms_norm_bwd_dw,
+                              "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass "
                               "(add_rms_norm_bwd's parameters too)"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
                             "attention forward on [windows·window, nh|nkv, hd]"),

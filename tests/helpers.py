@@ -33,3 +33,19 @@ def assert_storage_close(name, got, want, dtype, tol32, scale=None):
     off = ulps_off(got.get() if hasattr(got, "get") else got, want, dtype, scale)
     allowed = narrow_ulps(dtype, tol32)
     assert off <= allowed, f"{name}: {off:.4g} ulps of {dtype} at the row's scale > {allowed:.4g}"
+
+
+def norm_classes(op, d):
+    """The shape classes of norm family ``op`` at width ``d``: the row families' at every storage type
+    (their classes carry it), rms_norm_dw's one."""
+    if op == "rms_norm_dw":
+        return [{"d": d}]
+    return [{"d": d, "st": st} for st in ("float", "half", "bf16")]
+
+
+def norm_override(op, d, params):
+    """``clops.tuning.override`` of norm family ``op`` at width ``d`` for every storage type (None: removed)."""
+    from clops import tuning
+
+    for sc in norm_classes(op, d):
+        tuning.override(op, sc, params)

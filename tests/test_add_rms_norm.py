@@ -14,10 +14,10 @@ import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import norm, tuning
+from clops import norm
 from clops import reference as ref
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, to_device
+from helpers import assert_storage_close, norm_override, to_device
 
 SHAPES = [(37, 5120), (7, 1), (5, 3), (3, 4097), (1, 5120), (1, 1), (65, 8), (300, 96)]
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
@@ -126,8 +126,8 @@ def test_in_place_residual(queue):
     of the out-of-place calls, also for rows read twice (the row spec's rows over 32 vectors a work-item)."""
     for n, d, rows in [(9, 300, None), (5, 4097, dict(wg=32, vw=1, rpg=1))]:
         if rows:
-            tuning.override("rms_norm", {"d": d}, rows)
-            tuning.override("rms_norm_bwd_dw", {"d": d}, dict(rows, gpc=2))
+            norm_override("rms_norm", d, rows)
+            norm_override("rms_norm_bwd_dw", d, dict(rows, gpc=2))
         a, w, b, ds = _data(n, d, np.float32, np.float32)
         A, B, W, DS, DY = to_device(queue, a, b, w, ds, rnd((n, d), 7))
         s, y, inv = (t.get() for t in clops.add_rms_norm(queue, A, B, W))
@@ -146,12 +146,12 @@ def override():
     set_ = []
 
     def put(op, d, params):
-        tuning.override(op, {"d": d}, params)
+        norm_override(op, d, params)
         set_.append((op, d))
 
     yield put
     for op, d in set_:
-        tuning.override(op, {"d": d}, None)
+        norm_override(op, d, None)
 
 
 @pytest.mark.parametrize("d,params", [

@@ -11,7 +11,6 @@ import ml_dtypes
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
-import pyopencl.tools as cl_tools
 import pytest
 
 import clops
@@ -271,8 +270,9 @@ def test_stale_tuning_entry_warns_and_takes_the_heuristic(queue, tmp_path, monke
 
 # (spec, shape class, the kernels' extra render parameters, parameter sets besides the device's own)
 LOCAL = [
-    (norm.ROWS, {"d": 96}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4}]),
-    (norm.BWD_DW, {"d": 96}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4, "gpc": 2},
+    (norm.ROWS, {"d": 96, "st": "float"}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4}]),
+    (norm.ROWS, {"d": 96, "st": "bf16"}, {"idx": "uint", "st": "bf16"}, []),
+    (norm.BWD_DW, {"d": 96, "st": "float"}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4, "gpc": 2},
                                                {"wg": 32, "vw": 4, "rpg": 1, "gpc": 1}]),
     (qk_rope.SPEC, {"hd": 32}, {"idx": "uint", "half": 8},
      [{"wg": 32, "vw": 2, "upg": 4, "gpc": 2}, {"wg": 64, "vw": 4, "upg": 64, "gpc": 1},  # the last sum in slices

@@ -21,7 +21,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, to_device
+from helpers import assert_storage_close, norm_override, to_device
 
 
 def _parity(queue, x, w, dy, gemma, eps=1e-6):
@@ -78,12 +78,12 @@ def override():
     set_ = []
 
     def put(op, d, params):
-        tuning.override(op, {"d": d}, params)
+        norm_override(op, d, params)
         set_.append((op, d))
 
     yield put
     for op, d in set_:
-        tuning.override(op, {"d": d}, None)
+        norm_override(op, d, None)
 
 
 @pytest.mark.parametrize("d,rows,dw", [
@@ -96,6 +96,24 @@ def test_launch_parameters(queue, override, d, rows, dw):
     override("rms_norm", d, rows)
     override("rms_norm_dw", d, dw)
     _parity(queue, rnd((37, d), 11, 3.0), rnd(d, 12, 0.5), rnd((37, d), 13, 1.0), True)
+
+
+def test_row_tiles_are_chosen_per_storage_type(queue):
+    """The row families' shape class carries the activations' storage: an override at bfloat16 is not
+    float32's, and the heuristic loads 16 bytes a vector at each (vw 8 at 16 bits, 4 at float32)."""
+    d = 64
+    for op in ("rms_norm", "rms_norm_bwd_dw"):
+        spec = norm.ROWS if op == "rms_norm" else norm.BWD_DW
+        assert [spec.resolve(queue.device, {"d": 5120, "st": st})[0]["vw"] for st in ("float", "half", "bf16")] == [4, 8, 8]
+    x = rnd((4, d), 1)
+    X, W, XB = to_device(queue, x, rnd(d, 2), x.astype(ml_dtypes.bfloat16))
+    tuning.override("rms_norm", {"d": d, "st": "bf16"}, dict(wg=64, vw=4, rpg=3))
+    try:
+        clops.rms_norm(queue, X, W)  # float32: the heuristic's tiles
+        with pytest.raises(ValueError, match="rpg must divide wg"):
+            clops.rms_norm(queue, XB, W)
+    finally:
+        tuning.override("rms_norm", {"d": d, "st": "bf16"}, None)
 
 
 def test_parameters_the_device_cannot_hold(queue, override):

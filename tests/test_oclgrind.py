@@ -87,8 +87,10 @@ def run_elementwise(queue):
 def run_norm(queue):
     import pyopencl.array as cla
 
+    from helpers import norm_override
+
     import clops
-    from clops import reference as ref, tuning
+    from clops import reference as ref
     from clops.reference import rnd
 
     # (n, d, row tiles, gain-gradient tiles). 7 rows of 40: partial row groups, a partial
@@ -107,9 +109,9 @@ def run_norm(queue):
             continue
         x, w, dy = rnd((n, d), 11, 2.0), rnd(d, 12, 0.5), rnd((n, d), 13, 1.0)
         x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
-        tuning.override("rms_norm", {"d": d}, rows)
-        tuning.override("rms_norm_dw", {"d": d}, dw)
-        tuning.override("rms_norm_bwd_dw", {"d": d}, None if rows is None else dict(rows, gpc=1))
+        norm_override("rms_norm", d, rows)
+        norm_override("rms_norm_dw", d, dw)
+        norm_override("rms_norm_bwd_dw", d, None if rows is None else dict(rows, gpc=1))
         for gemma in (False, True):
             (y, inv), (wy, winv) = clops.rms_norm(queue, x_, w_, gemma=gemma), ref.rms_norm(x, w, gemma=gemma)
             _expect("rms_norm y", y, wy)

@@ -255,7 +255,9 @@ def test_every_family_sweeps_through_the_command_line(queue, tuning_dirs, tmp_pa
     """One configuration of each family, through ``clops tune`` as a user runs it (``tune qk_norm_rope``
     once crashed: the package's name for the module was the op)."""
     fam = tune.FAMILIES[name]
-    sc = _on_device(queue, fam, {"hd": 16} if "hd" in fam.shape_class else {"d": 64} if "d" in fam.shape_class else {})
+    sc = dict(fam.shape_class, **({"hd": 16} if "hd" in fam.shape_class else {"d": 64} if "d" in fam.shape_class
+                                  else {}))
+    sc = _on_device(queue, fam, dict(sc, st="bf16") if "st" in sc else sc)  # the case's 16-bit storage too
     argv = [name, "--small", "--out", str(tmp_path / "r.json"), "--runs", "7", "--warmup", "0"]
     argv += [f"--class={k}={v}" for k, v in sc.items()]
     current = fam.spec.resolve(queue.device, sc)[0]  # one configuration: the op's own
