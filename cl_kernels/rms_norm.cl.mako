@@ -75,8 +75,8 @@ def scaled_dx(vw, p, xv, gv):
 % if kind in ("rows", "rows_dw"):
 <%
     tpr = wg // rpg
-    # The one-pass backward's slow loop over the gains and sums of its work-item, unrolled: rolled, its
-    # indexing would keep those arrays out of registers for every row (clang 15's NVPTX then put them on the
+    # The one-pass backward's slow loop over the column sums of its work-item, unrolled: rolled, its
+    # indexing would keep that array out of registers for every row (clang 15's NVPTX then put it on the
     # stack).
     unroll_slow = "#pragma unroll" if cache else ""
 %>\
@@ -297,6 +297,9 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
 ## dx (plus ds with `resid`) of the rows [g·per_group, g·per_group + per_group)
 ## and their gain gradient's partial sums partial[g, :], in one read of x, dy.
 <%def name="bwd_dw(name, resid)">
+<%
+    gain = "(%s + w_offset)" % loadv(wst, vw, "w", "j")  # w_eff of the work-item's vector j
+%>\
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict partial,
              __global const ${vptr(st, vw)} *restrict x, __global const ${vptr(wst, vw)} *restrict w,
@@ -314,15 +317,13 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
     __local float *row_scratch = scratch + seg * TPR;
     const idx_t first = (idx_t)get_group_id(0) * per_group;
     const idx_t last = min(n, first + per_group);
-    vec we[CH], acc[CH];
+    // Registers bound how many rows are in flight: the gain is read where it is used, not held.
+    vec acc[CH];
 % if cache:
     vec xs[CH], dys[CH]${", dss[CH]" if resid else ""};
 % endif
-    for (uint k = 0; k < CH; ++k) {
-        const uint j = t + k * TPR;
-        we[k] = j < dv ? ${loadv(wst, vw, "w", "j")} + w_offset : (vec)(0.0f);
+    for (uint k = 0; k < CH; ++k)
         acc[k] = (vec)(0.0f);
-    }
     // Uniform across the group: the barriers of the sums stay in uniform control flow.
     for (idx_t r0 = first; r0 < last; r0 += RPG) {
         const idx_t row = r0 + seg;
@@ -342,7 +343,7 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
             dss[k] = live ? ${loadv(st, vw, "ds", "base + j")} : (vec)(0.0f);
 %   endif
 % endif
-            const vec p = (dyv * we[k]) * xv;
+            const vec p = live ? (dyv * ${gain}) * xv : (vec)(0.0f);
             s += ${lanes_sum(vw, "p")};
         }
         ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
@@ -356,9 +357,9 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
                 const vec xv = ${"xs[k]" if cache else loadv(st, vw, "x", "base + j")};
                 const vec dyv = ${"dys[k]" if cache else loadv(st, vw, "dy", "base + j")};
 <%
-    val = "iv * (dyv * we[k]) - xv * coef"
+    val = "iv * (dyv * %s) - xv * coef" % gain
     if vw == 1:  # one column: 1 − x²·inv² cancels in float; it is eps·inv² (as rms_norm_bwd)
-        val = "(dv == 1 ? iv * (dyv * we[k]) * (eps * iv * iv) : %s)" % val
+        val = "(dv == 1 ? iv * (dyv * %s) * (eps * iv * iv) : %s)" % (gain, val)
     if resid:
         val = "%s + %s" % ("dss[k]" if cache else loadv(st, vw, "ds", "base + j"), val)
 %>\
@@ -383,7 +384,7 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
                 if (j < dv) {
                     const vec xv = ${loadv(st, vw, "x", "base + j")};
                     const vec dyv = ${loadv(st, vw, "dy", "base + j")};
-<% val = scaled_dx(vw, "r", "xv", "(dyv * we[k])") %>\
+<% val = scaled_dx(vw, "r", "xv", "(dyv * %s)" % gain) %>\
                     ${storev(st, vw, "%s + %s" % (loadv(st, vw, "ds", "base + j"), val) if resid else val, "dx", "base + j")};
                     acc[k] += dyv * (ldexp(xv, (ivec)(-r_se)) * r_ivs);
                 }
