@@ -59,6 +59,7 @@ typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
 ${tp.decls(kind, st, emulate)}\
+#define LAZY_MAX 8.0f  // log2 of how far a score may pass its row's reference max before the max moves
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,
@@ -135,21 +136,25 @@ ${scores(False)}\
 ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float mnew = fmax(m[r], mx[r]);
+            // The row's reference m (lse's too) moves only when a score passes it by more than 2^LAZY_MAX,
+            // so O's rescale (HD / 2 multiplies a thread) is skipped in most blocks; meanwhile P ≤ 2^LAZY_MAX,
+            // far from float32's range, and a 16-bit P keeps its relative precision. m = -inf: any key seen.
+            if (mx[r] > m[r] + LAZY_MAX) {
+                const float corr = softmax_exp2(m[r] - mx[r]);
+                m[r] = mx[r];
+                l[r] *= corr;
+                #pragma unroll
+                for (int n = 0; n < HD / 8; ++n) {
+                    acc[n][2 * r] *= corr;
+                    acc[n][2 * r + 1] *= corr;
+                }
+            }
 % if sliding:
             // A row may see no key of the first blocks: m stays -inf, and mref = 0 keeps its sums 0.
-            const float mref = mnew == -INFINITY ? 0.0f : mnew;
+            const float mref = m[r] == -INFINITY ? 0.0f : m[r];
 % else:
-            const float mref = mnew;  // block 0 holds key 0, which every row sees: finite from the first block
+            const float mref = m[r];  // block 0 holds key 0, which every row sees: finite from the first block
 % endif
-            const float corr = softmax_exp2(m[r] - mref);
-            m[r] = mnew;
-            l[r] *= corr;
-            #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                acc[n][2 * r] *= corr;
-                acc[n][2 * r + 1] *= corr;
-            }
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll

@@ -84,6 +84,34 @@ def test_variants(queue, product, kw):
     _check(queue, 100, 4, 2, 32, **kw)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
+def test_rows_whose_max_grows_block_by_block(queue, product, dtype):
+    """Scores growing with the key's position as j³ (a row's largest, in log2, by 0.6, 5, 14, 27, 45
+    and 68 from one block of 16 keys to the next: 2^160 in all), so a row's reference max moves in
+    some blocks and not in others (the forward rescales O lazily, only past 2^LAZY_MAX), and P would
+    overflow float32 if it never moved."""
+    n, hd = 96, 32
+    rng = np.random.default_rng(7)
+    d = np.ones(hd) / np.sqrt(hd)  # scores = (q·d)(k·d)·scale: q·d ≈ 2, k·d grows as j³
+    q = (2 * d + 0.05 * rng.standard_normal((n, 2, hd))).astype(dtype)
+    k = ((6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd)))
+    k, v = k.astype(dtype), ref.rnd((n, 1, hd), 3).astype(dtype)
+    tiles = {"nw": 1, "bk": 16}
+    sc = {"hd": hd, "st": clops.args.storage(np.dtype(dtype)),
+          "product": mma.forward_product(queue, clops.args.storage(np.dtype(dtype)))[0]}
+    tuning.override("attention_fwd_mma", sc, tiles)
+    try:
+        o, lse = clops.attention(queue, *to_device(queue, q, k, v), window=n)
+    finally:
+        tuning.override("attention_fwd_mma", sc, None)
+    want_o, want_lse = ref.attention(q, k, v, window=n)
+    if dtype == BF16:
+        assert_storage_close("o", o, want_o, dtype, O_TOL)
+    else:
+        assert ref.rel_err(o.get(), want_o) <= O_TOL
+    assert ref.rel_err(lse.get(), want_lse) <= LSE_TOL
+
+
 @pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16}, {"nw": 3, "bk": 48}])
 def test_tiles(queue, product, tiles):
     _check(queue, 90, 2, 1, 48, tiles=tiles, window=45)
