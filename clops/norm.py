@@ -31,10 +31,13 @@ st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) fo
 - op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
   ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
   two ≤ ``vw`` that divides ``d`` is used, so rows start on vector boundaries), ``rpg`` rows
-  per group (divides ``wg``; a row is shared by ``wg/rpg`` work-items). The heuristic loads
-  16 bytes a vector: ``vw`` 4 at float32, 8 at 16-bit storage.
+  per group (divides ``wg``; a row is shared by ``wg/rpg`` work-items), ``rr`` reads of a row:
+  1, held in registers between its sum and its outputs where a work-item's share is at most
+  ``MAX_CACHED`` vectors (else read twice); 2, read twice (from the caches: fewer registers, more
+  rows in flight). The heuristic loads 16 bytes a vector (``vw`` 4 at float32, 8 at 16-bit
+  storage) and holds rows (``rr`` 1).
 - op ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``,
-  ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg`` as above (``rpg`` rows
+  ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows
   per step), ``gpc`` groups per compute unit: the grid is at most ``gpc`` ×
   CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of rows.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
@@ -53,7 +56,7 @@ from .spec import Spec
 
 TEMPLATE = "rms_norm.cl.mako"
 VECTOR_WIDTHS = (1, 2, 4, 8, 16)
-# Rows wider than this many vectors per work-item are read twice instead of held in registers.
+# Rows wider than this many vectors per work-item are read twice instead of held in registers (rr 1).
 MAX_CACHED = 32
 
 
@@ -82,7 +85,7 @@ def heuristic_rows(dev, sc):
     vw = vector_width(16 // storage_dtype(sc["st"]).itemsize, d)
     tpr = min(pow2_ceil(-(-d // (vw * 8))), wg_cap(dev), 256)
     wg = max(tpr, min(64, wg_cap(dev)))
-    return {"wg": wg, "vw": vw, "rpg": wg // tpr}
+    return {"wg": wg, "vw": vw, "rpg": wg // tpr, "rr": 1}
 
 
 def heuristic_dw(dev, sc):
@@ -98,6 +101,10 @@ def _vw_rule(p):
     return p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"
 
 
+def _row_rules(p, sc):
+    return _vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg"), (p["rr"] in (1, 2), "rr must be 1 or 2")
+
+
 # Storage types (clops.args.storage) are render extras each call passes (st: activations, wst: the
 # gain, dwst: the gain gradient); float32 unless told.
 _FLOAT32 = {"st": "float", "wst": "float", "dwst": "float"}
@@ -106,7 +113,7 @@ _FLOAT32 = {"st": "float", "wst": "float", "dwst": "float"}
 def _render_rows(p, sc):
     p = dict(p, kind="rows", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32)
     p["ch"] = -(-sc["d"] // (p["vw"] * (p["wg"] // p["rpg"])))
-    p["cache"] = p["ch"] <= MAX_CACHED
+    p["cache"] = p["rr"] == 1 and p["ch"] <= MAX_CACHED
     return p
 
 
@@ -115,21 +122,23 @@ def _render_bwd_dw(p, sc):
 
 
 ROWS = Spec(
-    "rms_norm", TEMPLATE, ("wg", "vw", "rpg"),
-    lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8]},
-    heuristic_rows, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
+    "rms_norm", TEMPLATE, ("wg", "vw", "rpg", "rr"),
+    lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8], "rr": [1, 2]},
+    heuristic_rows, rules=_row_rules,
     local_bytes=lambda p, sc: 4 * p["wg"], render=_render_rows,
-    doc="rms_norm, rms_norm_bwd and add_rms_norm: wg work-items per group, vw vector width, rpg rows per group")
+    doc="rms_norm, rms_norm_bwd and add_rms_norm: wg work-items per group, vw vector width, rpg rows per group, "
+        "rr reads of a row (1 held in registers, 2 read twice)")
 
 BWD_DW = Spec(
-    "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "gpc"),
-    lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "gpc": [1, 2, 4, 8]},
-    heuristic_bwd_dw, rules=lambda p, sc: (_vw_rule(p), (p["wg"] % p["rpg"] == 0, "rpg must divide wg")),
+    "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "rr", "gpc"),
+    lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "rr": [1, 2],
+                "gpc": [1, 2, 4, 8]},
+    heuristic_bwd_dw, rules=_row_rules,
     # the row sums' scratch, and the segments' partial sums when a group takes several rows a step
     local_bytes=lambda p, sc: 4 * p["wg"] * (1 + (vector_width(p["vw"], sc["d"]) if p["rpg"] > 1 else 0)),
     render=_render_bwd_dw,
     doc="rms_norm_bwd with dw and add_rms_norm_bwd (one pass): wg work-items per group, vw vector width, "
-        "rpg rows per step, gpc groups per compute unit")
+        "rpg rows per step, rr reads of a row, gpc groups per compute unit")
 
 COLUMN_SUM_WG = 256  # the column sum's groups: 32 columns × 8 slices of rows (cl_kernels/rms_norm.cl.mako)
 DW = Spec(

@@ -124,7 +124,7 @@ def test_in_place_is_the_residual_stream_only(queue):
 def test_in_place_residual(queue):
     """add_rms_norm(s=a) and add_rms_norm_bwd(dx=ds) update the residual stream where it lies, with the bits
     of the out-of-place calls, also for rows read twice (the row spec's rows over 32 vectors a work-item)."""
-    for n, d, rows in [(9, 300, None), (5, 4097, dict(wg=32, vw=1, rpg=1))]:
+    for n, d, rows in [(9, 300, None), (5, 4097, dict(wg=32, vw=1, rpg=1, rr=1))]:
         if rows:
             norm_override("rms_norm", d, rows)
             norm_override("rms_norm_bwd_dw", d, dict(rows, gpc=2))
@@ -155,11 +155,11 @@ def override():
 
 
 @pytest.mark.parametrize("d,params", [
-    (4097, dict(wg=32, vw=1, rpg=1, gpc=1)),      # 129 vectors per work-item: rows read twice
-    (5120, dict(wg=64, vw=8, rpg=2, gpc=3)),      # two rows a step: the segments' sums combined
-    (6, dict(wg=64, vw=4, rpg=16, gpc=8)),        # vw capped to 2 (divides 6)
-    (129, dict(wg=24, vw=2, rpg=3, gpc=2)),       # groups not a power of two
-    (1, dict(wg=8, vw=1, rpg=4, gpc=1)),          # one column: the backward's own formula
+    (4097, dict(wg=32, vw=1, rpg=1, rr=1, gpc=1)),  # 129 vectors per work-item: rows read twice
+    (5120, dict(wg=64, vw=8, rpg=2, rr=2, gpc=3)),  # two rows a step: the segments' sums combined; read twice
+    (6, dict(wg=64, vw=4, rpg=16, rr=1, gpc=8)),  # vw capped to 2 (divides 6)
+    (129, dict(wg=24, vw=2, rpg=3, rr=1, gpc=2)),  # groups not a power of two
+    (1, dict(wg=8, vw=1, rpg=4, rr=1, gpc=1)),    # one column: the backward's own formula
 ])
 def test_launch_parameters(queue, override, d, params):
     override("rms_norm_bwd_dw", d, params)

@@ -87,10 +87,10 @@ def override():
 
 
 @pytest.mark.parametrize("d,rows,dw", [
-    (4097, dict(wg=32, vw=1, rpg=1), dict(wg=32, vw=1, rb=7)),      # 129 vectors per work-item: read twice
-    (5120, dict(wg=64, vw=8, rpg=2), dict(wg=16, vw=8, rb=1)),
-    (6, dict(wg=64, vw=4, rpg=16), dict(wg=64, vw=16, rb=300)),      # vw capped to 2 (divides 6)
-    (129, dict(wg=24, vw=2, rpg=3), dict(wg=3, vw=2, rb=5)),         # groups not a power of two
+    (4097, dict(wg=32, vw=1, rpg=1, rr=1), dict(wg=32, vw=1, rb=7)),  # 129 vectors per work-item: read twice
+    (5120, dict(wg=64, vw=8, rpg=2, rr=1), dict(wg=16, vw=8, rb=1)),
+    (6, dict(wg=64, vw=4, rpg=16, rr=1), dict(wg=64, vw=16, rb=300)),  # vw capped to 2 (divides 6)
+    (129, dict(wg=24, vw=2, rpg=3, rr=2), dict(wg=3, vw=2, rb=5)),  # groups not a power of two; read twice
 ])
 def test_launch_parameters(queue, override, d, rows, dw):
     override("rms_norm", d, rows)
@@ -107,7 +107,7 @@ def test_row_tiles_are_chosen_per_storage_type(queue):
         assert [spec.resolve(queue.device, {"d": 5120, "st": st})[0]["vw"] for st in ("float", "half", "bf16")] == [4, 8, 8]
     x = rnd((4, d), 1)
     X, W, XB = to_device(queue, x, rnd(d, 2), x.astype(ml_dtypes.bfloat16))
-    tuning.override("rms_norm", {"d": d, "st": "bf16"}, dict(wg=64, vw=4, rpg=3))
+    tuning.override("rms_norm", {"d": d, "st": "bf16"}, dict(wg=64, vw=4, rpg=3, rr=1))
     try:
         clops.rms_norm(queue, X, W)  # float32: the heuristic's tiles
         with pytest.raises(ValueError, match="rpg must divide wg"):
@@ -117,13 +117,25 @@ def test_row_tiles_are_chosen_per_storage_type(queue):
 
 
 def test_parameters_the_device_cannot_hold(queue, override):
-    override("rms_norm", 64, dict(wg=2 * queue.device.max_work_group_size, vw=4, rpg=1))
+    override("rms_norm", 64, dict(wg=2 * queue.device.max_work_group_size, vw=4, rpg=1, rr=1))
     X, W = to_device(queue, rnd((4, 64), 1), rnd(64, 2))
     with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
         clops.rms_norm(queue, X, W)
-    override("rms_norm", 64, dict(wg=64, vw=4, rpg=3))
+    override("rms_norm", 64, dict(wg=64, vw=4, rpg=3, rr=1))
     with pytest.raises(ValueError, match="rpg must divide wg"):
         clops.rms_norm(queue, X, W)
+    override("rms_norm", 64, dict(wg=64, vw=4, rpg=1, rr=3))
+    with pytest.raises(ValueError, match="rr must be 1 or 2"):
+        clops.rms_norm(queue, X, W)
+
+
+def test_rr_picks_whether_rows_are_held():
+    """rr 1 holds a work-item's share of a row in registers (up to MAX_CACHED vectors), rr 2 reads it twice."""
+    sc = {"d": 512, "st": "bf16"}
+    for spec in (norm.ROWS, norm.BWD_DW):
+        p = dict(wg=64, vw=8, rpg=1, rr=1, **({"gpc": 2} if spec is norm.BWD_DW else {}))
+        assert spec.render(p, sc)["cache"] and not spec.render(dict(p, rr=2), sc)["cache"]
+        assert not spec.render(dict(p, vw=1, wg=8), {"d": 8 * (norm.MAX_CACHED + 1), "st": "bf16"})["cache"]
 
 
 def test_bad_input_is_rejected_before_anything_runs(queue):

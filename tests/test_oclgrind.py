@@ -94,16 +94,16 @@ def run_norm(queue):
     from clops.reference import rnd
 
     # (n, d, row tiles, gain-gradient tiles). 7 rows of 40: partial row groups, a partial
-    # chunk (rows held in registers), 40 chunks of one (rows read twice); the gradient's
+    # chunk (rows held in registers), 40 chunks of one (rows read twice; at 600 × 8 by rr 2); the gradient's
     # partial row blocks and column groups. d = 1: the backward's own formula. The one-pass
     # backward takes the row tiles with 1 group per compute unit (groups walk several steps,
     # the last one partial; rpg > 1: the segments' sums combined).
     for n, d, rows, dw in [
-        (7, 40, {"wg": 8, "vw": 4, "rpg": 2}, {"wg": 8, "vw": 4, "rb": 3}),
-        (7, 40, {"wg": 4, "vw": 1, "rpg": 4}, {"wg": 4, "vw": 1, "rb": 2}),
+        (7, 40, {"wg": 8, "vw": 4, "rpg": 2, "rr": 1}, {"wg": 8, "vw": 4, "rb": 3}),
+        (7, 40, {"wg": 4, "vw": 1, "rpg": 4, "rr": 1}, {"wg": 4, "vw": 1, "rb": 2}),
         (7, 40, None, None),
-        (5, 1, {"wg": 8, "vw": 1, "rpg": 4}, {"wg": 4, "vw": 1, "rb": 2}),
-        (600, 8, {"wg": 8, "vw": 4, "rpg": 1}, {"wg": 4, "vw": 4, "rb": 1}),  # 600 partial rows: two column sums
+        (5, 1, {"wg": 8, "vw": 1, "rpg": 4, "rr": 1}, {"wg": 4, "vw": 1, "rb": 2}),
+        (600, 8, {"wg": 8, "vw": 4, "rpg": 1, "rr": 2}, {"wg": 4, "vw": 4, "rb": 1}),  # 600 partial rows: two column sums
     ]:
         if rows not in _tiles(rows):
             continue

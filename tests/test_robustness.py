@@ -93,7 +93,7 @@ def _inv_close(got, want, inf_rows):
 
 
 @pytest.mark.parametrize("dtype", RANGE_DTYPES, ids=str)
-@pytest.mark.parametrize("d,rows", [(300, None), (4097, dict(wg=32, vw=1, rpg=1))])  # 4097: read twice
+@pytest.mark.parametrize("d,rows", [(300, None), (4097, dict(wg=32, vw=1, rpg=1, rr=1))])  # 4097: read twice
 def test_rms_norm_rows_outside_the_square_range(queue, dtype, d, rows):
     x, w, dy = _extreme_rows((len(SCALES), d), 25, dtype), rnd(d, 26, 0.5), rnd((len(SCALES), d), 27, 4.0).astype(dtype)
     x_, w_, dy_ = to_device(queue, x, w, dy)
