@@ -18,7 +18,8 @@
 // rows that see it.
 //
 // Parameters: NW warps per group, BK keys per block (a multiple of 16), HD head dim (a multiple
-// of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16).
+// of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16); FUSE: the score
+// coefficient c is positive (the host's test), so that the scale can wait for the softmax's fma.
 <%!
     from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
@@ -31,8 +32,12 @@
     def visible(i, j):                      # query position i sees key position j
         return visible_condition(causal, sliding, i, j) or "1"
 
-    def score(x):                           # a raw score in the log2 domain, scaled (and capped)
-        return "cap * score_tanh(%s * c)" % x if softcap else "%s * c" % x
+    # fuse (c > 0, no softcap): the row max is taken over the raw scores and scaled once a row, and the
+    # scale enters the softmax's exponent by one fma (max(x)·c = max(x·c) for c > 0: a multiply a score fewer)
+    fused = fuse and not softcap
+
+    def score(x):                           # a score in the log2 domain, scaled (and capped); raw if fused
+        return "cap * score_tanh(%s * c)" % x if softcap else x if fused else "%s * c" % x
     tok0 = "tok0" if varlen else "w * T"
     kb_first = "0" if plain and not varlen else "kb0"
     edges = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK")
@@ -136,6 +141,9 @@ ${scores(False)}\
 ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
+% if fused:
+            mx[r] *= c;
+% endif
             // The row's reference m (lse's too) moves only when a score passes it by more than 2^LAZY_MAX,
             // so O's rescale (HD / 2 multiplies a thread) is skipped in most blocks; meanwhile P ≤ 2^LAZY_MAX,
             // far from float32's range, and a 16-bit P keeps its relative precision. m = -inf: any key seen.
@@ -159,7 +167,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
-                    s[j][2 * r + x] = softmax_exp2(s[j][2 * r + x] - mref);
+                    s[j][2 * r + x] = softmax_exp2(${"fma(s[j][2 * r + x], c, -mref)" if fused else "s[j][2 * r + x] - mref"});
                     l[r] += s[j][2 * r + x];
                 }
             }

@@ -251,7 +251,7 @@ FWD_MMA = Spec(
     lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128]}, _mma_heuristic,
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),),
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_mma_local_bytes,
-    render=lambda p, sc: {**PLAIN, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
+    render=lambda p, sc: {**PLAIN, "fuse": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
 
 
@@ -264,7 +264,7 @@ def _fwd_plan(queue, call):
         rows = p["bq"]
     else:
         p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx,
-                                 emulate=int(mma.emulated()), **call.extra())
+                                 emulate=int(mma.emulated()), fuse=int(call.coefs()[0] > 0), **call.extra())
         rows = 16 * p["nw"]
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0]]
     return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()

@@ -78,9 +78,13 @@ CU = np.array([0, 0, 1, 40, 40, 100], np.int32)  # empty sequences, one of a sin
 
 @pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 5},
                                 {"window": 50, "sliding_window": 7, "causal": False}, {"window": 50, "softcap": 3.0},
-                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}, WINDOW_2],
-                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "varlen", "sliding-2"])
+                                {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}, WINDOW_2,
+                                {"window": 50, "scale": -0.3}, {"window": 50, "sliding_window": 7, "scale": 0.0}],
+                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "varlen", "sliding-2",
+                              "negative-scale", "zero-scale"])
 def test_variants(queue, product, kw):
+    """Each variant; a scale ≤ 0 too, where the forward scales each score before the row max (above 0
+    the max is of the raw scores, scaled once a row)."""
     _check(queue, 100, 4, 2, 32, **kw)
 
 
