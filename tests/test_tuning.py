@@ -113,6 +113,17 @@ def test_family_cases_match_the_reference(queue, name):
         assert rel_err(got.get(), want) <= tol
 
 
+@pytest.mark.parametrize("st, size", [("float", 4), ("bf16", 2)])
+def test_norm_cases_count_the_bytes_moved(queue, st, size):
+    """The GB/s of the norm sweeps: rows of x, y (forward) and x, dy, dx (backward) of the storage type,
+    float32 gain and inv each pass; the one-pass backward x, dy, dx, then w, inv and dw."""
+    n, d = 8, 96
+    rows = tune.FAMILIES["rms_norm"].prepare(queue, {"d": d, "st": st}, {"rows": n})
+    one_pass = tune.FAMILIES["rms_norm_bwd_dw"].prepare(queue, {"d": d, "st": st}, {"rows": n})
+    assert rows.work == 5 * n * d * size + 2 * 4 * (d + n)
+    assert one_pass.work == 3 * n * d * size + 4 * (2 * d + n)
+
+
 ATTN = ["attention_fwd", "--class", "hd=32", "--small", "--size", "windows=1", "--size", "window=40",
         "--param", "bq=16,32", "--param", "rq=3,4", "--param", "tx=4,8", "--param", "bk=16,32",
         "--param", "vw=4", "--param", "dc=32", "--param", "kc=16", "--no-restrictions"]
