@@ -60,6 +60,11 @@ MIN_RUNS = 7
 FWD, ATTENTION, BWD = 1e-6, 1e-5, 1e-5
 
 
+def _storage_tol(st, tol):
+    """``tol`` at float32 storage; at 16 bits the relative L2 of the outputs' one rounding (about 2⁻⁹)."""
+    return tol if st == "float" else 1e-2
+
+
 @dataclasses.dataclass
 class Case:
     """One problem ready to run: ``call()`` enqueues the op and returns its outputs in the order of ``want``."""
@@ -140,11 +145,6 @@ def _norm_data(queue, pb, d, st="float"):
     return (x, w, dy), _upload(queue, x, w, dy)
 
 
-def _norm_tol(st, tol):
-    """``tol`` at float32; at 16-bit storage the relative L2 of the outputs' one rounding (about 2⁻⁹)."""
-    return tol if st == "float" else 1e-2
-
-
 def _rms_norm(queue, sc, pb):
     """rms_norm + rms_norm_bwd, x and dy of storage ``sc["st"]``; the work counted is the bytes moved."""
     d, st = sc["d"], sc["st"]
@@ -161,7 +161,7 @@ def _rms_norm(queue, sc, pb):
 
     n = pb["rows"]
     work = 5 * x.nbytes + 2 * _nbytes((d,), (n,))  # x, y; x, dy, dx; w and inv each time
-    return Case(call, reference, (_norm_tol(st, FWD), FWD, _norm_tol(st, BWD)), "GB/s", work)
+    return Case(call, reference, (_storage_tol(st, FWD), FWD, _storage_tol(st, BWD)), "GB/s", work)
 
 
 def _rms_norm_dw(queue, sc, pb):
@@ -184,7 +184,7 @@ def _rms_norm_bwd_dw(queue, sc, pb):
     (dinv,) = _upload(queue, inv)
     pool = _pool(queue)
     return Case(lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool),
-                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (_norm_tol(st, BWD), BWD),
+                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (_storage_tol(st, BWD), BWD),
                 "GB/s", 3 * x.nbytes + _nbytes((d,), (n,), (d,)))  # x, dy, dx; w, inv, dw
 
 
@@ -236,7 +236,7 @@ def _attention_fwd_mma(queue, sc, pb):
             return clops.attention(queue, dq, dk, dv, window=pb["window"], allocator=pool)
 
     return Case(call, lambda: ref.attention(q, k, v, window=pb["window"]),
-                (ATTENTION if sc["st"] == "float" else 1e-2, FWD), "TFLOP/s",
+                (_storage_tol(sc["st"], ATTENTION), FWD), "TFLOP/s",
                 attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
@@ -265,7 +265,7 @@ def _attention_bwd_case(queue, sc, pb, products, store_ds, mode="0"):
             return clops.attention_bwd(queue, *dev_args, window=pb["window"], store_ds=store_ds, allocator=pool)
 
     return Case(call, lambda: ref.attention_bwd(q, k, v, o, lse, do, window=pb["window"]),
-                (BWD if dtype == np.float32 else 1e-2,) * 3, "TFLOP/s",
+                (_storage_tol(sc.get("st", "float"), BWD),) * 3, "TFLOP/s",
                 products / 2 * attention_flops(pb["windows"], pb["window"], pb["nh"], sc["hd"]))
 
 
@@ -343,7 +343,7 @@ def _cross_entropy(queue, sc, pb):
 
     row = x.dtype.itemsize * n * vocab
     work = row + _nbytes((n,), (n,), (n,)) if "st" not in sc else 2 * row + _nbytes((n,), (n,), (n,))
-    return Case(call, reference, (FWD, FWD, BWD if dtype == np.float32 else 1e-2), "GB/s", work)
+    return Case(call, reference, (FWD, FWD, _storage_tol(sc.get("st", "float"), BWD)), "GB/s", work)
 
 
 def _embedding(queue, sc, pb):
