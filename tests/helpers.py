@@ -35,17 +35,10 @@ def assert_storage_close(name, got, want, dtype, tol32, scale=None):
     assert off <= allowed, f"{name}: {off:.4g} ulps of {dtype} at the row's scale > {allowed:.4g}"
 
 
-def norm_classes(op, d):
-    """The shape classes of norm family ``op`` at width ``d``: the row families' at every storage type
-    (their classes carry it), rms_norm_dw's one."""
-    if op == "rms_norm_dw":
-        return [{"d": d}]
-    return [{"d": d, "st": st} for st in ("float", "half", "bf16")]
-
-
 def norm_override(op, d, params):
-    """``clops.tuning.override`` of norm family ``op`` at width ``d`` for every storage type (None: removed)."""
+    """``clops.tuning.override`` of norm family ``op`` at width ``d`` (None: removed): the row families'
+    at every storage type (their shape classes carry it), rms_norm_dw's one."""
     from clops import tuning
 
-    for sc in norm_classes(op, d):
-        tuning.override(op, sc, params)
+    for st in ("float", "half", "bf16") if op != "rms_norm_dw" else (None,):
+        tuning.override(op, {"d": d, "st": st} if st else {"d": d}, params)

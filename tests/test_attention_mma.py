@@ -39,8 +39,11 @@ def product(request, queue):
         yield request.param
 
 
-def _check(queue, n, nh, nkv, hd, dtype=np.float32, tiles=None, **kw):
-    q, k, v = (ref.rnd(s, seed).astype(dtype) for s, seed in (((n, nh, hd), 11), ((n, nkv, hd), 12), ((n, nkv, hd), 13)))
+def _check(queue, n, nh, nkv, hd, dtype=np.float32, tiles=None, qkv=None, **kw):
+    """The forward at ``tiles`` (None: the heuristic's) against the reference, on ``qkv`` (of ``dtype``) or
+    seeded random q, k, v."""
+    q, k, v = qkv or (ref.rnd(s, seed).astype(dtype)
+                      for s, seed in (((n, nh, hd), 11), ((n, nkv, hd), 12), ((n, nkv, hd), 13)))
     kw = kw or {"window": n}
     product = mma.forward_product(queue, clops.args.storage(np.dtype(dtype)))[0]
     sc = {"hd": hd, "st": clops.args.storage(np.dtype(dtype)), "product": product}
@@ -97,23 +100,10 @@ def test_rows_whose_max_grows_block_by_block(queue, product, dtype):
     n, hd = 96, 32
     rng = np.random.default_rng(7)
     d = np.ones(hd) / np.sqrt(hd)  # scores = (q·d)(k·d)·scale: q·d ≈ 2, k·d grows as j³
-    q = (2 * d + 0.05 * rng.standard_normal((n, 2, hd))).astype(dtype)
-    k = ((6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd)))
-    k, v = k.astype(dtype), ref.rnd((n, 1, hd), 3).astype(dtype)
-    tiles = {"nw": 1, "bk": 16}
-    sc = {"hd": hd, "st": clops.args.storage(np.dtype(dtype)),
-          "product": mma.forward_product(queue, clops.args.storage(np.dtype(dtype)))[0]}
-    tuning.override("attention_fwd_mma", sc, tiles)
-    try:
-        o, lse = clops.attention(queue, *to_device(queue, q, k, v), window=n)
-    finally:
-        tuning.override("attention_fwd_mma", sc, None)
-    want_o, want_lse = ref.attention(q, k, v, window=n)
-    if dtype == BF16:
-        assert_storage_close("o", o, want_o, dtype, O_TOL)
-    else:
-        assert ref.rel_err(o.get(), want_o) <= O_TOL
-    assert ref.rel_err(lse.get(), want_lse) <= LSE_TOL
+    q = 2 * d + 0.05 * rng.standard_normal((n, 2, hd))
+    k = (6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd))
+    qkv = tuple(x.astype(dtype) for x in (q, k, ref.rnd((n, 1, hd), 3)))
+    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16}, qkv=qkv)
 
 
 @pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16}, {"nw": 3, "bk": 48}])
