@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyopencl as cl
 
-from clops import attn, norm, program
+from clops import attn, norm, program, tune
+from clops.tune import _value
 
 # An H200 as the heuristics see it (clops info on the H200: 132 compute units, 48 KiB of local memory)
 H200 = types.SimpleNamespace(type=cl.device_type.GPU, vendor="NVIDIA Corporation", name="NVIDIA H200",
@@ -37,13 +38,9 @@ FAMILIES = {  # name: (spec, the render extras every build of it takes besides i
 }
 
 
-def _pairs(items):
-    """["k=v", ...] → {k: v}, the values as ints where they are."""
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
-    return out
+def _pairs(items, what):
+    """["k=v", ...] → {k: v}, as clops tune reads its --class and --param (numbers as numbers)."""
+    return {k: _value(v) for k, v in tune._pairs(items, what).items()}
 
 
 def render(family, sc, params, flags):
@@ -94,8 +91,9 @@ def main(argv=None):
     ap.add_argument("--flag", action="append", default=[], help="a render extra, e.g. softcap=1 or store_ds=1")
     ap.add_argument("--llvm", default="15", help="the LLVM version suffix of clang, llc, ... (default 15)")
     a = ap.parse_args(argv)
-    source, p = render(a.family, _pairs(a.sc), _pairs(a.param), _pairs(a.flag))
-    print(f"{a.family} {_pairs(a.sc)} {p} {_pairs(a.flag) or ''}".rstrip())
+    sc, flags = _pairs(a.sc, "--class"), _pairs(a.flag, "--flag")
+    source, p = render(a.family, dict(sc), _pairs(a.param, "--param"), flags)
+    print(f"{a.family} {sc} {p} {flags or ''}".rstrip())
     for kernel, line in registers(source, a.llvm):
         print(f"  {kernel}: {line}")
 
