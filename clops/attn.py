@@ -259,14 +259,15 @@ def _fwd_plan(queue, call):
     """(kernel, grid, scalar arguments) of the forward for ``call``: one memo lookup when warm."""
     product, _ = mma.forward_product(queue, call.st)
     idx = index_type(call.n * call.nh * call.hd)
+    c = call.coefs()[0]
     if product is None:
         p, knl = FWD.kernels(queue, {"hd": call.hd}, idx=idx, **call.extra())
         rows = p["bq"]
     else:
         p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx,
-                                 emulate=int(mma.emulated()), fuse=int(call.coefs()[0] > 0), **call.extra())
+                                 emulate=int(mma.emulated()), fuse=int(c > 0), **call.extra())
         rows = 16 * p["nw"]
-    scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), call.coefs()[0]]
+    scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), c]
     return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()
 
 
