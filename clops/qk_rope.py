@@ -35,7 +35,8 @@ single vectors past ``2·half``), and add the unit's sum of squares through loca
 barrier. The backward's groups each walk a range of units, keeping their gain-gradient sums in
 registers, and write one partial row each.
 
-Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd}``, parameters
+Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd, "st": st}``
+(``st`` the storage type of ``x``), parameters
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
 two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` units (row, head) handled at a
 time by a group (divides ``wg``; a unit is shared by ``wg/upg`` work-items), ``gpc`` backward
@@ -171,7 +172,7 @@ def _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen):
 
 def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
     """(params, kernel, units as its index type), built (the ops reach it through _launch's memo)."""
-    sc = {"hd": hd}
+    sc = {"hd": hd, "st": st}
     p = SPEC.params(queue.device, sc)
     # unit offsets past the end (the last group's units), and the backward's unit ranges
     idx = index_type((units + p["upg"]) * hd, 2 * units + p["upg"])

@@ -284,8 +284,11 @@ def _attention_bwd_mma(pass_):
 
 
 def _qk_norm_rope(queue, sc, pb):
-    hd, n, heads, window = sc["hd"], pb["rows"], pb["heads"], pb["window"]
-    x, w, dy = ref.rnd((n, heads, hd), 1, 2.0), ref.rnd(hd, 2, 0.5), ref.rnd((n, heads, hd), 3, 1.0)
+    """qk_norm_rope + its backward, x and dy of storage ``sc["st"]``, a float32 gain."""
+    hd, st, n, heads, window = sc["hd"], sc["st"], pb["rows"], pb["heads"], pb["window"]
+    dtype = storage_dtype(st)
+    x, w, dy = (ref.rnd((n, heads, hd), 1, 2.0).astype(dtype), ref.rnd(hd, 2, 0.5),
+                ref.rnd((n, heads, hd), 3, 1.0).astype(dtype))
     rope = ref.rope_table(window, hd // 4)
     dx_, dw_, ddy, drope = _upload(queue, x, w, dy, rope)
     pool = _pool(queue)
@@ -298,9 +301,9 @@ def _qk_norm_rope(queue, sc, pb):
         y, inv = ref.qk_norm_rope(x, w, rope)
         return (y, inv, *ref.qk_norm_rope_bwd(x, w, inv, rope, dy))
 
-    shape = (n, heads, hd)
-    work = _nbytes(shape, (hd,), shape, (n, heads)) + _nbytes(shape, (hd,), (n, heads), shape, shape, (hd,))
-    return Case(call, reference, (FWD, FWD, BWD, BWD), "GB/s", work)
+    unit = x.nbytes  # x, y; x, dy, dx; the gain, inv and dw float32
+    work = 2 * unit + _nbytes((hd,), (n, heads)) + 3 * unit + _nbytes((hd,), (n, heads), (hd,))
+    return Case(call, reference, (_storage_tol(st, FWD), FWD, _storage_tol(st, BWD), BWD), "GB/s", work)
 
 
 def _bwd_family(kind):
@@ -411,10 +414,10 @@ FAMILIES = {
     "adamw": Family(optim.SPEC, {}, lambda sc, small: {"rows": 4099 if small else 2**26}, _adamw,
                     "adamw on [rows] (the timed calls include uploading the state they start from)"),
     "qk_norm_rope": Family(
-        qk_rope.SPEC, {"hd": 128},
+        qk_rope.SPEC, {"hd": 128, "st": "float"},
         lambda sc, small: {"rows": 128 if small else _TOKENS, "heads": 4 if small else 16, "window": 64 if small
                            else 4096},
-        _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd], rotary half hd/4"),
+        _qk_norm_rope, "qk_norm_rope + qk_norm_rope_bwd on [rows, heads, hd] of storage st, rotary half hd/4"),
 }
 
 

@@ -35,10 +35,20 @@ def assert_storage_close(name, got, want, dtype, tol32, scale=None):
     assert off <= allowed, f"{name}: {off:.4g} ulps of {dtype} at the row's scale > {allowed:.4g}"
 
 
-def norm_override(op, d, params):
-    """``clops.tuning.override`` of norm family ``op`` at width ``d`` (None: removed): the row families'
-    at every storage type (their shape classes carry it), rms_norm_dw's one."""
+def storage_override(op, sc, params):
+    """``clops.tuning.override`` of family ``op`` at shape class ``sc`` and every storage type (None:
+    removed), for the families whose shape class carries it."""
     from clops import tuning
 
-    for st in ("float", "half", "bf16") if op != "rms_norm_dw" else (None,):
-        tuning.override(op, {"d": d, "st": st} if st else {"d": d}, params)
+    for st in ("float", "half", "bf16"):
+        tuning.override(op, dict(sc, st=st), params)
+
+
+def norm_override(op, d, params):
+    """``storage_override`` of norm family ``op`` at width ``d``; rms_norm_dw's class has no storage type."""
+    if op == "rms_norm_dw":
+        from clops import tuning
+
+        tuning.override(op, {"d": d}, params)
+    else:
+        storage_override(op, {"d": d}, params)

@@ -306,7 +306,7 @@ LIMITS = [
      lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1, "rr": 1}, "work-items"),
     ("rms_norm_dw", "rms_norm_dw", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
      "work-items"),
-    ("qk_norm_rope", "qk_norm_rope", {"hd": QD},
+    ("qk_norm_rope", "qk_norm_rope", {"hd": QD, "st": "float"},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "upg": 1, "gpc": 1}, "work-items"),
     ("attention", "attention_fwd", {"hd": HD},
      lambda dev: {"bq": 2 * dev.max_work_group_size, "rq": 1, "tx": 1, "bk": 8, "vw": 1, "dc": 8, "kc": 8},

@@ -21,7 +21,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, norm_override, to_device
+from helpers import assert_storage_close, norm_override, storage_override, to_device
 
 
 def _parity(queue, x, w, dy, gemma, eps=1e-6):
@@ -253,7 +253,7 @@ def test_column_sum_in_two_stages(queue, override, dtype):
     clops.rms_norm_dw(queue, X, inv, DY, dw=DW)
     assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv.get(), dy)) <= 1e-5
     hd = d // 2  # x as [n, 2, hd]: 2·n units, two a partial row (clops.qk_rope.MIN_STEPS steps of one unit)
-    tuning.override("qk_norm_rope", {"hd": hd}, dict(wg=8, vw=2, upg=2, gpc=1 << 20))
+    storage_override("qk_norm_rope", {"hd": hd}, dict(wg=8, vw=2, upg=2, gpc=1 << 20))
     try:
         w2 = rnd(hd, 5, 0.5).astype(dtype)
         X3, DY3, (W2,) = X.reshape(n, 2, hd), DY.reshape(n, 2, hd), to_device(queue, w2)
@@ -265,4 +265,4 @@ def test_column_sum_in_two_stages(queue, override, dtype):
         else:
             assert_storage_close("dw", dw, want, dtype, 1e-5)
     finally:
-        tuning.override("qk_norm_rope", {"hd": hd}, None)
+        storage_override("qk_norm_rope", {"hd": hd}, None)

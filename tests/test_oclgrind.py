@@ -208,8 +208,10 @@ def _norm_narrow(queue, x, w, dy):
 def run_qk_norm_rope(queue):
     import pyopencl.array as cla
 
+    from helpers import storage_override
+
     import clops
-    from clops import reference as ref, tuning
+    from clops import reference as ref
     from clops.reference import rnd
 
     n, heads, hd, window = 6, 3, 12, 3  # 18 units of 12: partial unit groups and dw blocks
@@ -220,7 +222,7 @@ def run_qk_norm_rope(queue):
     # sum in 2 slices
     for params in _tiles({"wg": 8, "vw": 4, "upg": 2, "gpc": 1}, {"wg": 4, "vw": 1, "upg": 1, "gpc": 2},
                          {"wg": 32, "vw": 1, "upg": 8, "gpc": 1}, None):
-        tuning.override("qk_norm_rope", {"hd": hd}, params)
+        storage_override("qk_norm_rope", {"hd": hd}, params)
         for half in (4, 0):  # 8 of 12 dims rotated, the rest passed through; then no rotation
             table = ref.rope_table(window, half)
             rope_ = cla.to_device(queue, table) if half else None

@@ -20,12 +20,11 @@ import pytest
 import clops
 from clops import program
 from clops import reference as ref
-from clops import tuning
 from clops.program import OutOfBoundsError
 
 from clops import qk_rope as qkr  # noqa: E402
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, to_device
+from helpers import assert_storage_close, storage_override, to_device
 
 
 def _parity(queue, x, w, table, dy, gemma, window=None, flat=False):
@@ -173,12 +172,12 @@ def override():
     set_ = []
 
     def put(hd, params):
-        tuning.override("qk_norm_rope", {"hd": hd}, params)
+        storage_override("qk_norm_rope", {"hd": hd}, params)
         set_.append(hd)
 
     yield put
     for hd in set_:
-        tuning.override("qk_norm_rope", {"hd": hd}, None)
+        storage_override("qk_norm_rope", {"hd": hd}, None)
 
 
 @pytest.mark.parametrize("hd,half,params", [

@@ -11,7 +11,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.attn import bwd_heuristic
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, norm_override, to_device
+from helpers import assert_storage_close, norm_override, storage_override, to_device
 
 
 def _get(*arrays):
@@ -152,12 +152,12 @@ def test_qk_norm_rope_units_outside_the_square_range(queue, dtype, hd, half, par
     table = ref.rope_table(len(SCALES), max(half, 1))[:, :half]
     x_, w_, dy_ = to_device(queue, x, w, dy)
     rope_ = cla.to_device(queue, np.ascontiguousarray(table)) if half else None
-    tuning.override("qk_norm_rope", {"hd": hd}, params)
+    storage_override("qk_norm_rope", {"hd": hd}, params)
     try:
         y, inv = clops.qk_norm_rope(queue, x_, w_, rope_, eps=0.0)
         dx, dw = clops.qk_norm_rope_bwd(queue, x_, w_, inv, rope_, dy_)
     finally:
-        tuning.override("qk_norm_rope", {"hd": hd}, None)
+        storage_override("qk_norm_rope", {"hd": hd}, None)
     wy, winv = ref.qk_norm_rope(x, w, table, eps=0.0)
     wdx, wdw = ref.qk_norm_rope_bwd(x, w, winv, table, dy)
     inf_units = np.zeros((len(SCALES), heads), bool)
