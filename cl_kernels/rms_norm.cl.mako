@@ -18,9 +18,8 @@
 //
 // One-pass backward (kind "rows_dw": rms_norm_bwd_dw, add_rms_norm_bwd): the
 // same row layout, but group g walks the rows [g·per_group, g·per_group +
-// per_group), RPG at a time; each work-item keeps the gain w + w_offset of
-// its columns and adds dy·x·inv of every row it walks into acc (in row
-// order); the RPG segments' sums are then added in segment order into
+// per_group), RPG at a time; each work-item adds dy·x·inv of every row it
+// walks into acc (its columns, in row order); the RPG segments' sums are then added in segment order into
 // partial[g, :]. dx of each row is the same formula, written in the same
 // pass (plus ds for add_rms_norm_bwd). column_sum (kind "dw") finishes dw.
 //
@@ -241,6 +240,8 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
                   const uint dv, const float d, const float eps, const float w_offset${checked_args("dx", "x", "w", "inv", "dy")})
 {
     ${row_setup()}
+    // Read with the row, not after its sum: the group waits on memory once, not twice.
+    const float iv = ok ? inv[${at("inv", "row")}] : 1.0f;
 % if cache:
     vec xs[CH], gs[CH];
 % endif
@@ -260,7 +261,6 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
     ${common.group_sum("total", "s", "row_scratch", "t", tpr)}
     if (!ok)
         return;
-    const float iv = inv[${at("inv", "row")}];
     if (${common.bwd_scaled("iv")}) {
         // Slow path (bwd_scale), the row's vectors read again (the cached ones are dead here).
         ${bwd_scale("r", "iv", lambda j: loadv(st, vw, "x", "base + " + j), lambda j: loadv(st, vw, "dy", "base + " + j), lambda j: loadv(wst, vw, "w", j))}
@@ -324,11 +324,14 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
 % endif
     for (uint k = 0; k < CH; ++k)
         acc[k] = (vec)(0.0f);
+    bool slow = false;  // a row of this work-item's is the second walk's
     // Uniform across the group: the barriers of the sums stay in uniform control flow.
     for (idx_t r0 = first; r0 < last; r0 += RPG) {
         const idx_t row = r0 + seg;
         const bool ok = row < last;
         const idx_t base = row * dv;
+        // Read with the row, not after its sum: a step waits on memory once, not twice.
+        const float iv = ok ? inv[${at("inv", "row")}] : 0.0f;
         float s = 0.0f;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPR;
@@ -347,10 +350,10 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
             s += ${lanes_sum(vw, "p")};
         }
         ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
-        const float iv = ok ? inv[${at("inv", "row")}] : 0.0f;
         const float coef = total / d * iv * iv * iv;
         // Rows whose inv is outside [2^−32, 2^32] (common.bwd_scaled) are the second walk's, below.
         const bool plain = ok && !${common.bwd_scaled("iv")};
+        slow |= ok && !plain;
         for (uint k = 0; k < CH; ++k) {
             const uint j = t + k * TPR;
             if (plain && j < dv) {
@@ -369,10 +372,10 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
         }
     }
     // The second walk (#19): dx and the dw terms of the rows the first one left (rows outside float32's
-    // square range; normally none, at one load of inv a row), barrier-free (bwd_scale: each of the row's
-    // work-items reads it again), after the other rows' terms (a fixed order still). Here, not in the first
-    // walk, so that the slow path's registers add nothing to the first walk's.
-    for (idx_t r0 = first; r0 < last; r0 += RPG) {
+    // square range; normally none, and then no work-item walks again), barrier-free (bwd_scale: each of
+    // the row's work-items reads it again), after the other rows' terms (a fixed order still). Here, not
+    // in the first walk, so that the slow path's registers add nothing to the first walk's.
+    for (idx_t r0 = first; slow && r0 < last; r0 += RPG) {
         const idx_t row = r0 + seg;
         const float iv = row < last ? inv[${at("inv", "row")}] : 1.0f;
         if (${common.bwd_scaled("iv")}) {
