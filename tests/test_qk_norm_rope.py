@@ -20,6 +20,7 @@ import pytest
 import clops
 from clops import program
 from clops import reference as ref
+from clops import tuning
 from clops.program import OutOfBoundsError
 
 from clops import qk_rope as qkr  # noqa: E402
@@ -239,6 +240,20 @@ def test_parameters_the_device_cannot_hold(queue, override):
     override(512, dict(wg=64, vw=4, upg=3, gpc=1))
     with pytest.raises(ValueError, match="upg must divide"):
         clops.qk_norm_rope(queue, X, W, None)
+
+
+def test_tiles_are_chosen_per_storage_type(queue):
+    """The shape class carries x's storage type: an override at bfloat16 is not float32's."""
+    hd = 32
+    x = rnd((2, 1, hd), 1)
+    X, W, XB = to_device(queue, x, rnd(hd, 2), x.astype(ml_dtypes.bfloat16))
+    tuning.override("qk_norm_rope", {"hd": hd, "st": "bf16"}, dict(wg=64, vw=4, upg=3, gpc=1))
+    try:
+        clops.qk_norm_rope(queue, X, W, None)  # float32: the heuristic's tiles
+        with pytest.raises(ValueError, match="upg must divide"):
+            clops.qk_norm_rope(queue, XB, W, None)
+    finally:
+        tuning.override("qk_norm_rope", {"hd": hd, "st": "bf16"}, None)
 
 
 def test_bad_input_is_rejected_before_anything_runs(queue):
