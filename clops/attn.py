@@ -578,6 +578,12 @@ def ds_tile_floats(call, product):
     return ds_tiles(call)[0] * 256 // (2 if product in ("bf16", "f16") else 1)
 
 
+# On the matrix units, recomputing S and dP in the dQ pass costs two products of hd each, while the
+# stored dS costs the same bytes at every hd: on an H100 at bf16, storing took fwd + bwd from 155 to
+# 183 TFLOP/s at hd 256, tied at hd 128 (178) and lost at hd 64 (124 against 137).
+MMA_STORE_DS_MIN_HD = 256
+
+
 def store_ds_default(dev, scratch_bytes):
     """attention_bwd's choice when ``store_ds`` is None: store dS when its scratch fits one
     allocation and takes at most an eighth of the device's global memory."""
@@ -620,12 +626,13 @@ def _bwd_plan(queue, call, store_ds, floats):
 
 def _bwd_route(queue, call, store_ds):
     """The backward's plan: the matrix-unit passes where the device's product allows
-    (clops.mma.backward_product), else the portable ones; dS stored as ``store_ds`` says (None: the
-    portable ones as store_ds_default says, the matrix units recompute it)."""
+    (clops.mma.backward_product), else the portable ones; dS stored as ``store_ds`` says (None: as
+    store_ds_default says, on the matrix units only from MMA_STORE_DS_MIN_HD)."""
     product, _ = mma.backward_product(queue, call.st)
     floats = ds_scratch_floats(call) if product is None else ds_tile_floats(call, product)
-    if store_ds is None:  # the matrix units' stored way is not yet measured against recomputing on a GPU
-        store_ds = product is None and store_ds_default(queue.device, 4 * floats)
+    if store_ds is None:
+        store_ds = ((product is None or call.hd >= MMA_STORE_DS_MIN_HD)
+                    and store_ds_default(queue.device, 4 * floats))
     elif store_ds and 4 * floats > queue.device.max_mem_alloc_size:
         raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
                          f"CL_DEVICE_MAX_MEM_ALLOC_SIZE ({queue.device.max_mem_alloc_size})")

@@ -170,17 +170,19 @@ def store_ds(request):
     return request.param
 
 
-@pytest.mark.parametrize("store_ds", [True, False, None], ids=["ds-stored", "ds-recomputed", "default"])
-def test_store_ds_picks_the_passes(queue, product, store_ds):
-    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default): dQ (storing D), then
-    dK/dV. (test_backward_windows_one_kv_head's kernels: hd 32, causal.)"""
-    q, k, v, do = (ref.rnd(shape, seed).astype(BF16) for shape, seed in (((34, 2, 32), 1), ((34, 1, 32), 2),
-                                                                         ((34, 1, 32), 3), ((34, 2, 32), 4)))
+@pytest.mark.parametrize("store_ds, hd", [(True, 32), (False, 32), (None, 32), (None, 256)],
+                         ids=["ds-stored", "ds-recomputed", "default", "default-hd256"])
+def test_store_ds_picks_the_passes(queue, product, store_ds, hd):
+    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default below hd 256): dQ
+    (storing D), then dK/dV. (hd 32: test_backward_windows_one_kv_head's kernels, causal.)"""
+    q, k, v, do = (ref.rnd(shape, seed).astype(BF16) for shape, seed in (((34, 2, hd), 1), ((34, 1, hd), 2),
+                                                                         ((34, 1, hd), 3), ((34, 2, hd), 4)))
     o, lse = ref.attention(q, k, v, window=17)
     with clops.profile(queue) as prof:
         clops.attention_bwd(queue, *to_device(queue, q, k, v, o.astype(BF16), lse.astype(np.float32), do), window=17,
                             store_ds=store_ds)
-    passes = ["attn_bwd_dsum", "attn_bwd_dkv", "attn_bwd_dqs"] if store_ds else ["attn_bwd_dq", "attn_bwd_dkv"]
+    stored = store_ds or (store_ds is None and hd >= 256)
+    passes = ["attn_bwd_dsum", "attn_bwd_dkv", "attn_bwd_dqs"] if stored else ["attn_bwd_dq", "attn_bwd_dkv"]
     assert [r.name for r in prof.launches] == passes
 
 
