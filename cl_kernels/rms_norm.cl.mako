@@ -64,11 +64,24 @@ def lanes_sum(vw, v):
     """The sum of the lanes of vector variable v."""
     return v if vw == 1 else " + ".join("%s.s%x" % (v, l) for l in range(vw))
 
+def lanes_dot(vw, s, a, b):
+    """s + Σ a·b over the lanes of vector variables a, b, one fma a lane. Spelt out, as plain_dx: NVIDIA's
+    compiler fuses a product into a later add wherever the schedule puts them, and rms_norm_bwd and the
+    one-pass backwards must give the same bits (the same operations, nothing left to fuse)."""
+    lanes = [(a, b)] if vw == 1 else [("%s.s%x" % (a, l), "%s.s%x" % (b, l)) for l in range(vw)]
+    for al, bl in lanes:
+        s = "fma(%s, %s, %s)" % (al, bl, s)
+    return s
+
+def plain_dx(iv, gv, xv):
+    """dx = inv·g − x·coef with its roundings spelt out (see lanes_dot)."""
+    return "fma(-(%s), coef, %s * %s)" % (xv, iv, gv)
+
 def scaled_dx(vw, p, xv, gv):
     """dx of a row in the scaled form (bwd_scale), from the work-item's vectors x and g = dy·(w + w_offset);
     with VW = 1, d = 1 takes the exact form eps·inv² for 1 − x̂², as the plain formulas do."""
     one = "dv == 1 ? %s * (ldexp(eps, -2 * %s_se) * %s_ivs * %s_ivs) : " % (gv, p, p, p) if vw == 1 else ""
-    return "ldexp(%s_ivs * (%s%s - (ldexp(%s, (ivec)(-%s_se)) * %s_ivs) * %s_c), (ivec)(-%s_se))" % (p, one, gv, xv, p, p, p, p)
+    return "ldexp(%s_ivs * (%sfma(-(ldexp(%s, (ivec)(-%s_se)) * %s_ivs), %s_c, %s)), (ivec)(-%s_se))" % (p, one, xv, p, p, p, gv, p)
 %>
 
 % if kind in ("rows", "rows_dw"):
@@ -255,8 +268,7 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
         xs[k] = xv;
         gs[k] = gv;
 % endif
-        const vec p = gv * xv;
-        s += ${lanes_sum(vw, "p")};
+        s = ${lanes_dot(vw, "s", "gv", "xv")};
     }
     ${common.group_sum("total", "s", "row_scratch", "t", tpr)}
     if (!ok)
@@ -284,9 +296,9 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
         const uint j = t + k * TPR;
         if (j < dv)
 % if cache:
-            ${storev(st, vw, "iv * gs[k] - xs[k] * coef", "dx", "base + j")};
+            ${storev(st, vw, plain_dx("iv", "gs[k]", "xs[k]"), "dx", "base + j")};
 % else:
-            ${storev(st, vw, "iv * (%s * (%s + w_offset)) - %s * coef" % (loadv(st, vw, "dy", "base + j"), loadv(wst, vw, "w", "j"), loadv(st, vw, "x", "base + j")), "dx", "base + j")};
+            ${storev(st, vw, plain_dx("iv", "(%s * (%s + w_offset))" % (loadv(st, vw, "dy", "base + j"), loadv(wst, vw, "w", "j")), loadv(st, vw, "x", "base + j")), "dx", "base + j")};
 % endif
     }
 }
@@ -346,8 +358,8 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
             dss[k] = live ? ${loadv(st, vw, "ds", "base + j")} : (vec)(0.0f);
 %   endif
 % endif
-            const vec p = live ? (dyv * ${gain}) * xv : (vec)(0.0f);
-            s += ${lanes_sum(vw, "p")};
+            const vec gv = live ? dyv * ${gain} : (vec)(0.0f);
+            s = ${lanes_dot(vw, "s", "gv", "xv")};
         }
         ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
         const float coef = total / d * iv * iv * iv;
@@ -360,7 +372,7 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
                 const vec xv = ${"xs[k]" if cache else loadv(st, vw, "x", "base + j")};
                 const vec dyv = ${"dys[k]" if cache else loadv(st, vw, "dy", "base + j")};
 <%
-    val = "iv * (dyv * %s) - xv * coef" % gain
+    val = plain_dx("iv", "(dyv * %s)" % gain, "xv")
     if vw == 1:  # one column: 1 − x²·inv² cancels in float; it is eps·inv² (as rms_norm_bwd)
         val = "(dv == 1 ? iv * (dyv * %s) * (eps * iv * iv) : %s)" % (gain, val)
     if resid:
