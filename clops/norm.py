@@ -39,7 +39,10 @@ st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) fo
 - op ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``,
   ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows
   per step), ``gpc`` groups per compute unit: the grid is at most ``gpc`` ×
-  CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of rows.
+  CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of rows. The
+  heuristic takes the row heuristic's ``wg``, ``vw``, ``rpg`` (the same dx bits as ``rms_norm_bwd``),
+  reads rows twice at 16-bit storage (their widened vectors are twice float32's registers) with
+  ``gpc`` 4 on a GPU, and otherwise holds them with ``gpc`` 2.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
@@ -93,8 +96,14 @@ def heuristic_dw(dev, sc):
 
 
 def heuristic_bwd_dw(dev, sc):
-    """The row heuristic's groups, about four of them resident per compute unit of a GPU (two on a CPU)."""
-    return dict(heuristic_rows(dev, sc), gpc=4 if dev.type & cl.device_type.GPU else 2)
+    """The row heuristic's layout (so dx has rms_norm_bwd's bits); at 16-bit storage the rows read twice
+    and four groups per compute unit of a GPU, else held and two. (An H100 sweep at d = 5120,
+    2026-12-05: bf16 rr 2, gpc 4 0.258 ms against 0.373 held at gpc 4 (the best, 0.241, splits rows
+    over twice the work-items: not rms_norm_bwd's layout); float32 held, gpc 2 0.422 against 0.448 at
+    gpc 4, and read twice 0.49.)"""
+    rr = 2 if storage_dtype(sc["st"]).itemsize == 2 else 1
+    gpc = 4 if rr == 2 and dev.type & cl.device_type.GPU else 2
+    return dict(heuristic_rows(dev, sc), rr=rr, gpc=gpc)
 
 
 def _vw_rule(p):
