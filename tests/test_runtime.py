@@ -153,7 +153,8 @@ def test_installed_package_renders_every_template(tmp_path):
     shipped = sorted(p.name for p in (site / "clops" / "cl_kernels").glob("*.mako"))
     assert shipped == sorted(p.name for p in (ROOT / "cl_kernels").glob("*.mako"))
     assert (site / "clops" / "pocl_free_quarantine.c").is_file()
-    env = dict(os.environ, PYTHONPATH=str(site))
+    # the installed clops first; the rest of the path stays (where pyopencl comes from a PYTHONPATH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     code = ("import clops, clops.program as p; assert p.KERNEL_DIR.is_relative_to(%r), p.KERNEL_DIR; "
             "from clops.cli import main; raise SystemExit(main(['check']))" % str(site))
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
