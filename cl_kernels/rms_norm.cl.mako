@@ -65,13 +65,16 @@ def lanes_sum(vw, v):
     return v if vw == 1 else " + ".join("%s.s%x" % (v, l) for l in range(vw))
 
 def lanes_dot(vw, s, a, b):
-    """s + Σ a·b over the lanes of vector variables a, b, one fma a lane. Spelt out, as plain_dx: NVIDIA's
-    compiler fuses a product into a later add wherever the schedule puts them, and rms_norm_bwd and the
-    one-pass backwards must give the same bits (the same operations, nothing left to fuse)."""
-    lanes = [(a, b)] if vw == 1 else [("%s.s%x" % (a, l), "%s.s%x" % (b, l)) for l in range(vw)]
-    for al, bl in lanes:
-        s = "fma(%s, %s, %s)" % (al, bl, s)
-    return s
+    """s + Σ a·b over the lanes of vector variables a, b: a fma for each pair of lanes, then a tree of
+    adds (a vector's sum does not wait on the previous one's). Spelt out, as plain_dx: NVIDIA's compiler
+    fuses a product into a later add wherever the schedule puts them, and rms_norm_bwd and the one-pass
+    backwards must give the same bits (the same operations, nothing left to fuse)."""
+    if vw == 1:
+        return "fma(%s, %s, %s)" % (a, b, s)
+    terms = ["fma(%s.s%x, %s.s%x, %s.s%x * %s.s%x)" % (a, l + 1, b, l + 1, a, l, b, l) for l in range(0, vw, 2)]
+    while len(terms) > 1:
+        terms = ["(%s + %s)" % (terms[i], terms[i + 1]) for i in range(0, len(terms), 2)]
+    return "%s + %s" % (s, terms[0])
 
 def plain_dx(iv, gv, xv):
     """dx = inv·g − x·coef with its roundings spelt out (see lanes_dot)."""
