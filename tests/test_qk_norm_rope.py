@@ -206,13 +206,23 @@ class _Gpu:  # what the heuristic reads of a device
 
 
 @pytest.mark.parametrize("hd,half", [(64, 16), (128, 64), (96, 20)])
-def test_gpu_layout_on_this_device(queue, override, hd, half):
-    """The GPU heuristic's layout (groups of 256, hd/16 work-items a unit; CPUs take one) at float32 and
-    bfloat16 storage over sequences (hd 96, half 20: 19 slots, 5 of them pairs, over 4 work-items)."""
-    p = qkr.heuristic(_Gpu, {"hd": hd})
-    if p["wg"] > queue.device.max_work_group_size:
+def test_gpu_layout_on_this_device(queue, hd, half):
+    """The GPU heuristic's layouts (hd/16 work-items a unit, groups of 256 at float32 and 128 at 16 bits;
+    CPUs take one work-item a unit) at float32 and bfloat16 storage over sequences (hd 96, half 20: 19
+    slots, 5 of them pairs, over 4 work-items)."""
+    layouts = {st: qkr.heuristic(_Gpu, {"hd": hd, "st": st}) for st in ("float", "bf16")}
+    if max(p["wg"] for p in layouts.values()) > queue.device.max_work_group_size:
         pytest.skip("groups of 256")
-    override(hd, p)
+    try:
+        for st, p in layouts.items():
+            tuning.override("qk_norm_rope", {"hd": hd, "st": st}, p)
+        _gpu_layout_parity(queue, hd, half)
+    finally:
+        for st in layouts:
+            tuning.override("qk_norm_rope", {"hd": hd, "st": st}, None)
+
+
+def _gpu_layout_parity(queue, hd, half):
     x, w, dy = _data(10, 3, hd)
     _parity(queue, x, w, ref.rope_table(5, half), dy, False)
     cu = np.array([0, 3, 3, 10], np.int32)
