@@ -40,9 +40,9 @@ st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) fo
   ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows
   per step), ``gpc`` groups per compute unit: the grid is at most ``gpc`` ×
   CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of rows. The
-  heuristic takes the row heuristic's ``wg``, ``vw``, ``rpg`` (the same dx bits as ``rms_norm_bwd``),
-  reads rows twice at 16-bit storage (their widened vectors are twice float32's registers) with
-  ``gpc`` 4 on a GPU, and otherwise holds them with ``gpc`` 2.
+  heuristic takes the row heuristic's layout at float32 (dx then has ``rms_norm_bwd``'s bits) with
+  ``gpc`` 2; at 16-bit storage float32's work-items a row (their widened vectors are twice
+  float32's registers), rows read twice, ``gpc`` 4 on a GPU.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
@@ -84,9 +84,14 @@ def heuristic_rows(dev, sc):
     share a group. (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to
     256 at d = 4097. At bf16, vw 8 took rms_norm_bwd from 67 % to 76 % of the copy bandwidth on the
     H200 at d = 5120, and the one-pass backwards' best tiles had it too.)"""
+    return _rows_layout(dev, sc, 8)
+
+
+def _rows_layout(dev, sc, vectors):
+    """Vectors of 16 bytes, about ``vectors`` of them per work-item, up to 256 work-items per row."""
     d = sc["d"]
     vw = vector_width(16 // storage_dtype(sc["st"]).itemsize, d)
-    tpr = min(pow2_ceil(-(-d // (vw * 8))), wg_cap(dev), 256)
+    tpr = min(pow2_ceil(-(-d // (vw * vectors))), wg_cap(dev), 256)
     wg = max(tpr, min(64, wg_cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr, "rr": 1}
 
@@ -96,14 +101,13 @@ def heuristic_dw(dev, sc):
 
 
 def heuristic_bwd_dw(dev, sc):
-    """The row heuristic's layout (so dx has rms_norm_bwd's bits); at 16-bit storage the rows read twice
-    and four groups per compute unit of a GPU, else held and two. (An H100 sweep at d = 5120,
-    2026-12-05: bf16 rr 2, gpc 4 0.258 ms against 0.373 held at gpc 4 (the best, 0.241, splits rows
-    over twice the work-items: not rms_norm_bwd's layout); float32 held, gpc 2 0.422 against 0.448 at
-    gpc 4, and read twice 0.49.)"""
-    rr = 2 if storage_dtype(sc["st"]).itemsize == 2 else 1
-    gpc = 4 if rr == 2 and dev.type & cl.device_type.GPU else 2
-    return dict(heuristic_rows(dev, sc), rr=rr, gpc=gpc)
+    """float32: the row heuristic's layout, rows held, two groups per compute unit. 16-bit storage: about
+    4 vectors a work-item (float32's work-items a row: a widened vector is twice float32's registers),
+    rows read twice, four groups per compute unit of a GPU. (H100 sweeps at d = 5120, 2026-12-05: bf16
+    0.235 ms against 0.373 at the row layout held, gpc 4; float32 0.422 against 0.448 at gpc 4.)"""
+    if storage_dtype(sc["st"]).itemsize == 2:
+        return dict(_rows_layout(dev, sc, 4), rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2)
+    return dict(heuristic_rows(dev, sc), gpc=2)
 
 
 def _vw_rule(p):
