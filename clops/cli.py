@@ -37,6 +37,7 @@ def info(args):
     dev = runtime.default_context().devices[0]
     print(f"chosen device: {dev.name.strip()} on {dev.platform.name.strip()}")
     print(f"  because: {runtime.default_reason()}")
+    from .attn import MMA_STORE_DS_MIN_HD
     from .mma import backward_product, forward_product
 
     queue = runtime.default_queue()
@@ -46,7 +47,7 @@ def info(args):
             path = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
             if way == "backward":  # attention_bwd's store_ds=None
                 path += (", dS stored where its scratch fits" if product is None
-                         else ", dS recomputed (store_ds=True stores it)")
+                         else f", dS stored from hd {MMA_STORE_DS_MIN_HD} where its scratch fits, else recomputed")
             print(f"attention {way} at {name}: {path} ({why})")
     print("kernel parameters there, per family at the shape class clops tune starts from:")
     from .tune import FAMILIES as TUNED

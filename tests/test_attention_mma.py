@@ -267,8 +267,8 @@ def test_path_choice(queue, monkeypatch):
 # The matrix-unit products' own code, its PTX emulated with 32-wide sub-groups (tile_products.cl.mako,
 # CLOPS_MMA=emulate), through both drivers where a device has such sub-groups (Intel's CPU runtime):
 # lean, as each case builds its kernels emulated, seconds apiece: f16 in the forward only (the backward's
-# driver is the same for both 16-bit kinds); the backward with dS recomputed (the default), and stored
-# once. (way, head dim, dtype, keywords)
+# driver is the same for both 16-bit kinds); the backward with dS recomputed (the default below hd 256),
+# and stored once. (way, head dim, dtype, keywords)
 EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
             ("fwd", 40, np.float32, {"window": 50}), ("bwd", 32, BF16, WINDOW_2),
@@ -314,7 +314,7 @@ def test_info_names_the_attention_path(capsys):
         kernels = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
         assert fwd.split(": ", 1)[1].startswith(kernels)
         assert bwd.split(": ", 1)[1].startswith(kernels + (", dS stored where its scratch fits" if product is None
-                                                           else ", dS recomputed"))
+                                                           else ", dS stored from hd 256"))
 
 
 def test_local_memory_spec_fits_every_head_dim(queue):
