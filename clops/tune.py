@@ -91,6 +91,7 @@ class Family:
     prepare: object  # prepare(queue, shape_class, problem) -> Case
     doc: str
     kernels: tuple = ()  # kernels timed (empty: all the op enqueues)
+    timed: str = ""  # the op timed where it is not the spec's own (its sweep saves into the spec's entry)
 
     @property
     def op(self):
@@ -186,6 +187,20 @@ def _rms_norm_bwd_dw(queue, sc, pb):
     return Case(lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool),
                 lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (_storage_tol(st, BWD), BWD),
                 "GB/s", 3 * x.nbytes + _nbytes((d,), (n,), (d,)))  # x, dy, dx; w, inv, dw
+
+
+def _add_rms_norm_bwd(queue, sc, pb):
+    """add_rms_norm_bwd: the one-pass backward that also reads ds (rms_norm_bwd_dw's parameters)."""
+    d, n, st = sc["d"], pb["rows"], sc["st"]
+    (s, w, dy), (ds_, dw_, ddy) = _norm_data(queue, pb, d, st)
+    r = ref.rnd((n, d), 4, 1.0).astype(storage_dtype(st))
+    _, inv = ref.rms_norm(s, w)
+    inv = inv.astype(np.float32)
+    dinv, dr = _upload(queue, inv, r)
+    pool = _pool(queue)
+    return Case(lambda: clops.add_rms_norm_bwd(queue, ds_, dw_, dinv, ddy, dr, allocator=pool),
+                lambda: (r.astype(np.float64) + ref.rms_norm_bwd(s, w, inv, dy), ref.rms_norm_dw(s, inv, dy)),
+                (_storage_tol(st, BWD), BWD), "GB/s", 4 * s.nbytes + _nbytes((d,), (n,), (d,)))  # s, dy, ds, dx; w, inv, dw
 
 
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
@@ -391,6 +406,11 @@ FAMILIES = {
                               lambda sc, small: {"rows": 256 if small else _TOKENS}, _rms_norm_bwd_dw,
                               "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass "
                               "(add_rms_norm_bwd's parameters too)"),
+    "add_rms_norm_bwd": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
+                               lambda sc, small: {"rows": 256 if small else _TOKENS}, _add_rms_norm_bwd,
+                               "add_rms_norm_bwd on [rows, d] of storage st: the one pass reading ds too, timed "
+                               "for rms_norm_bwd_dw's parameters (--save writes that op's entry, shared by both)",
+                               timed="add_rms_norm_bwd"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
                             "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_fwd_mma": Family(attn.FWD_MMA, {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem,
@@ -460,7 +480,7 @@ def _key(params):
 
 def header(fam, dev, sc, problem, space, check_problem=None):
     platform, name, driver = runtime.device_identity(dev)
-    return {"tool": "clops tune", "op": fam.op, "shape_class": sc,
+    return {"tool": "clops tune", "op": fam.op, "timed": fam.timed or fam.op, "shape_class": sc,
             "device": {"platform": platform, "name": name, "driver": driver, "key": tuning.device_key(dev)},
             "template_hash": template_hash(fam.templates), "templates": list(fam.templates),
             "problem": problem, "check_problem": check_problem or problem, "params": list(space)}
@@ -480,7 +500,7 @@ def load_results(path, head):
     if oh.get("template_hash") != head["template_hash"]:
         raise ValueError(f"{path} was made with other template text ({', '.join(head['templates'])} changed "
                          "since): refusing to resume (pass --fresh to start over, or another --out)")
-    for field in ("op", "shape_class", "problem", "check_problem", "params"):
+    for field in ("op", "timed", "shape_class", "problem", "check_problem", "params"):
         if oh.get(field) != head[field]:
             raise ValueError(f"{path} was made for {field} {oh.get(field)!r}, this sweep has {head[field]!r}: "
                              "refusing to resume (pass --fresh to start over, or another --out)")
@@ -760,7 +780,7 @@ def main(argv=None, queue=None):
         space[k] = [_value(x) for x in v.split(",") if x]
     queue = queue or runtime.default_queue(profiling=True)
     dev = queue.device
-    path = a.out or f"clops-tune-{fam.op}-{re.sub('[^A-Za-z0-9]+', '', tuning.shape_key(sc)) or 'all'}-" \
+    path = a.out or f"clops-tune-{a.op}-{re.sub('[^A-Za-z0-9]+', '', tuning.shape_key(sc)) or 'all'}-" \
                     f"{tuning.device_key(dev)}.json"
     try:
         head, results, current = sweep(queue, fam, sc, problem, space, path, runs=a.runs, warmup=a.warmup,
