@@ -105,7 +105,7 @@ def heuristic_bwd_dw(dev, sc):
     4 vectors a work-item (float32's work-items a row: a widened vector is twice float32's registers),
     rows read twice, four groups per compute unit of a GPU. (H100 sweeps at d = 5120, 2026-12-05: bf16
     0.235 ms against 0.373 at the row layout held, gpc 4; float32 0.422 against 0.448 at gpc 4.)"""
-    if storage_dtype(sc["st"]).itemsize == 2:
+    if sc["st"] != "float":
         return dict(_rows_layout(dev, sc, 4), rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2)
     return dict(heuristic_rows(dev, sc), gpc=2)
 

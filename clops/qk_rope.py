@@ -53,7 +53,7 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from .args import (F32, FLOATS, check_array, check_queue, check_sequences, events, hold, index_scalar, index_type,
-                   outputs, positive_int, scratch, storage, storage_dtype, upload_sequences, wrote)
+                   outputs, positive_int, scratch, storage, upload_sequences, wrote)
 from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, vector_width, wg_cap
 from .spec import Spec
 
@@ -81,7 +81,7 @@ def heuristic(dev, sc):
         return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4}
     vw = vector_width(4, hd)
     tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
-    narrow = storage_dtype(sc["st"]).itemsize == 2
+    narrow = sc["st"] != "float"
     wg = max(tpu, min(128 if narrow else 256, cap))
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 4 if narrow else 2}
 

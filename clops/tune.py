@@ -175,32 +175,26 @@ def _rms_norm_dw(queue, sc, pb):
                 lambda: (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), (BWD,), "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
 
 
-def _rms_norm_bwd_dw(queue, sc, pb):
-    """The one-pass backward (rms_norm_bwd with the gain gradient); add_rms_norm_bwd shares its kernel's
-    parameters (the same pass with ds read and added)."""
+def _one_pass(resid, queue, sc, pb):
+    """The one-pass backward: rms_norm_bwd with the gain gradient, or with ``resid`` add_rms_norm_bwd (the
+    same pass with ds read and added; both take rms_norm_bwd_dw's parameters)."""
     d, n, st = sc["d"], pb["rows"], sc["st"]
     (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
     _, inv = ref.rms_norm(x, w)
     inv = inv.astype(np.float32)
     (dinv,) = _upload(queue, inv)
     pool = _pool(queue)
-    return Case(lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool),
-                lambda: (ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)), (_storage_tol(st, BWD), BWD),
-                "GB/s", 3 * x.nbytes + _nbytes((d,), (n,), (d,)))  # x, dy, dx; w, inv, dw
-
-
-def _add_rms_norm_bwd(queue, sc, pb):
-    """add_rms_norm_bwd: the one-pass backward that also reads ds (rms_norm_bwd_dw's parameters)."""
-    d, n, st = sc["d"], pb["rows"], sc["st"]
-    (s, w, dy), (ds_, dw_, ddy) = _norm_data(queue, pb, d, st)
-    r = ref.rnd((n, d), 4, 1.0).astype(storage_dtype(st))
-    _, inv = ref.rms_norm(s, w)
-    inv = inv.astype(np.float32)
-    dinv, dr = _upload(queue, inv, r)
-    pool = _pool(queue)
-    return Case(lambda: clops.add_rms_norm_bwd(queue, ds_, dw_, dinv, ddy, dr, allocator=pool),
-                lambda: (r.astype(np.float64) + ref.rms_norm_bwd(s, w, inv, dy), ref.rms_norm_dw(s, inv, dy)),
-                (_storage_tol(st, BWD), BWD), "GB/s", 4 * s.nbytes + _nbytes((d,), (n,), (d,)))  # s, dy, ds, dx; w, inv, dw
+    if resid:
+        r = ref.rnd((n, d), 4, 1.0).astype(x.dtype)
+        (dr,) = _upload(queue, r)
+        ds = r.astype(np.float64)
+        call = lambda: clops.add_rms_norm_bwd(queue, dx_, dw_, dinv, ddy, dr, allocator=pool)
+    else:
+        ds = 0.0
+        call = lambda: clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, want_dw=True, allocator=pool)
+    return Case(call, lambda: (ds + ref.rms_norm_bwd(x, w, inv, dy), ref.rms_norm_dw(x, inv, dy)),
+                (_storage_tol(st, BWD), BWD), "GB/s",
+                (3 + resid) * x.nbytes + _nbytes((d,), (n,), (d,)))  # x, dy, dx (and ds); w, inv, dw
 
 
 # ---- attention: forward, and the backward's two kernels (each swept through attention_bwd) ----
@@ -403,11 +397,12 @@ FAMILIES = {
     "rms_norm_dw": Family(norm.DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
                           _rms_norm_dw, "rms_norm_dw on [rows, d]"),
     "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
-                              lambda sc, small: {"rows": 256 if small else _TOKENS}, _rms_norm_bwd_dw,
+                              lambda sc, small: {"rows": 256 if small else _TOKENS}, functools.partial(_one_pass, False),
                               "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass "
                               "(add_rms_norm_bwd's parameters too)"),
     "add_rms_norm_bwd": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
-                               lambda sc, small: {"rows": 256 if small else _TOKENS}, _add_rms_norm_bwd,
+                               lambda sc, small: {"rows": 256 if small else _TOKENS},
+                               functools.partial(_one_pass, True),
                                "add_rms_norm_bwd on [rows, d] of storage st: the one pass reading ds too, timed "
                                "for rms_norm_bwd_dw's parameters (--save writes that op's entry, shared by both)",
                                timed="add_rms_norm_bwd"),
