@@ -33,11 +33,13 @@
         return visible_condition(causal, sliding, i, j) or "1"
 
     # fuse (c > 0, no softcap): the row max is taken over the raw scores and scaled once a row, and the
-    # scale enters the softmax's exponent by one fma (max(x)·c = max(x·c) for c > 0: a multiply a score fewer)
+    # scale enters the softmax's exponent by one fma (max(x)·c = max(x·c) for c > 0: a multiply a score fewer).
+    # softcap: a score is held as −r of softcap_neg_r, increasing with the capped score cap·(1 − 2r); the row
+    # max is capped once a row, and the cap enters the exponent by one fma too
     fused = fuse and not softcap
 
-    def score(x):                           # a score in the log2 domain, scaled (and capped); raw if fused
-        return "cap * score_tanh(%s * c)" % x if softcap else x if fused else "%s * c" % x
+    def score(x):                           # a score in the log2 domain, scaled; raw if fused, −r if capped
+        return "softcap_neg_r(%s * cr)" % x if softcap else x if fused else "%s * c" % x
     tok0 = "tok0" if varlen else "w * T"
     kb_first = "0" if plain and not varlen else "kb0"
     edges = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK")
@@ -103,6 +105,9 @@ ${tp.locals(kind)}\
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     }
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+% if softcap:
+    const float cr = c * 2.88539008f, cap2 = 2.0f * cap;  // softcap_neg_r's u = cr·score; capped = fma(cap2, −r, cap)
+% endif
 ${tp.load_q(kind, st)}\
 
     // Each block's K is staged during the previous block's P·V, its V during its own Q·Kᵀ: two
@@ -143,6 +148,8 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
         for (int r = 0; r < 2; ++r) {
 % if fused:
             mx[r] *= c;
+% elif softcap:
+            mx[r] = fma(cap2, mx[r], cap);
 % endif
             // The row's reference m (lse's too) moves only when a score passes it by more than 2^LAZY_MAX,
             // so O's rescale (HD / 2 multiplies a thread) is skipped in most blocks; meanwhile P ≤ 2^LAZY_MAX,
@@ -163,11 +170,14 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
 % else:
             const float mref = m[r];  // block 0 holds key 0, which every row sees: finite from the first block
 % endif
+% if softcap:
+            const float off = cap - mref;
+% endif
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
-                    s[j][2 * r + x] = softmax_exp2(${"fma(s[j][2 * r + x], c, -mref)" if fused else "s[j][2 * r + x] - mref"});
+                    s[j][2 * r + x] = softmax_exp2(${"fma(s[j][2 * r + x], c, -mref)" if fused else "fma(s[j][2 * r + x], cap2, off)" if softcap else "s[j][2 * r + x] - mref"});
                     l[r] += s[j][2 * r + x];
                 }
             }

@@ -33,21 +33,26 @@
 %>
 
 <%def name="decls(kind, st, emulate=0)">\
-// tanh of a score under the softcap by one exp2 and one reciprocal, where OpenCL's tanh costs a
-// dozen more instructions: absolute error about 2^-23 (relative near 0 larger), a few 2^-23 in the
-// capped score, where the softmax sees absolute errors only. ±1 past ±9, NaN stays NaN. On the
-// matrix units (NVIDIA) by ex2.approx and rcp.approx directly: OpenCL's division costs a range
-// check and a slow-path call there, and neither input needs it (the reciprocal's lies in [1, Inf]).
-inline float score_tanh(float x)
+// The softcap's tanh through r = 1/(2^u + 1), u = 2·log2(e)·x: tanh x = 1 − 2r, by one exp2 and one
+// reciprocal where OpenCL's tanh costs a dozen more instructions: absolute error about 2^-23
+// (relative near 0 larger), a few 2^-23 in the capped score, where the softmax sees absolute errors
+// only. ±1 past ±9, NaN stays NaN. softcap_neg_r(u) is −r (a capped score cap·(1 − 2r) is then one
+// fma); on the matrix units (NVIDIA) by ex2.approx and rcp.approx directly: OpenCL's division costs
+// a range check and a slow-path call there, and neither input needs it (|1/r| lies in [1, Inf]).
+inline float softcap_neg_r(float u)
 {
 % if kind == "fma" or emulate:
-    return 1.0f - 2.0f / (native_exp2(x * 2.88539008f) + 1.0f);
+    return -1.0f / (native_exp2(u) + 1.0f);
 % else:
     float e, r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * 2.88539008f));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.0f));
-    return fma(-2.0f, r, 1.0f);
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(-e - 1.0f));
+    return r;
 % endif
+}
+inline float score_tanh(float x)
+{
+    return fma(2.0f, softcap_neg_r(x * 2.88539008f), 1.0f);
 }
 % if kind == "fma" or not emulate:
 #define WARPS
