@@ -18,7 +18,8 @@
 // rows that see it.
 //
 // Parameters: NW warps per group, BK keys per block (a multiple of 16), HD head dim (a multiple
-// of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16); FUSE: the score
+// of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and
+// V (1, or 2: a block's staged during the whole block before it, one barrier a block); FUSE: the score
 // coefficient c is positive (the host's test), so that the scale can wait for the softmax's fma.
 <%!
     from clops.attn import mask_edges, visible_condition
@@ -67,6 +68,8 @@ ${common.guards()}\
 ${common.storage(st)}\
 ${tp.decls(kind, st, emulate)}\
 #define LAZY_MAX 8.0f  // log2 of how far a score may pass its row's reference max before the max moves
+#define STAGES ${stages}
+#define FLAG(kb) ((kb) % (STAGES + 1))
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,
@@ -74,9 +77,11 @@ void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restr
                    __global const int *restrict cu,""" if varlen else ""}
                    const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
 {
-    __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
+    __local ${et} kst[STAGES * BK * KS] __attribute__((aligned(16))), vst[STAGES * BK * KS] __attribute__((aligned(16)));
+% if stages == 1:
     __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
-    __local int nonfinite[2];                 // V of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
+% endif
+    __local int nonfinite[STAGES + 1];        // V of block kb holds a NaN or ±Inf: nonfinite[FLAG(kb)]
 ${tp.locals(kind)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
@@ -110,12 +115,26 @@ ${tp.locals(kind)}\
 % endif
 ${tp.load_q(kind, st)}\
 
+% if stages == 1:
     // Each block's K is staged during the previous block's P·V, its V during its own Q·Kᵀ: two
     // barriers a block. After the one that follows V's landing no warp reads K any more (Q·Kᵀ came
     // before it), and after the one that follows K's no warp reads V or the flag of the block before.
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+% else:
+    // Two buffers of K and V: block kb + 1's are staged during all of block kb's products, one
+    // barrier a block, after which no warp reads block kb − 1's buffers (the next to be staged) or
+    // its flag; three flags, so that the one zeroed before that barrier is neither read nor set
+    // (block kb + 1's scan comes after it) by anyone then.
+    if (lid == 0) nonfinite[0] = nonfinite[1] = nonfinite[2] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);  // the flags zeroed before the first block's scan
+% endif
     if (${kb_first} < nkb) {
+% if stages == 1:
 ${tp.stage(kind, st, "kst", "k", "%s * BK" % kb_first)}\
+% else:
+${tp.stage(kind, st, "(kst + (%s & 1) * (BK * KS))" % kb_first, "k", "%s * BK" % kb_first)}\
+${tp.stage(kind, st, "(vst + (%s & 1) * (BK * KS))" % kb_first, "v", "%s * BK" % kb_first)}\
+% endif
     }
 ${tp.commit(kind)}\
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
@@ -124,9 +143,24 @@ ${tp.commit(kind)}\
         const bool edge = ${" || ".join(edges)};  // some row does not see some key of the block
 % endif
 ${tp.landed(kind, 0)}\
+% if stages == 1:
         barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged; V(kb - 1) used up
         if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
 ${tp.stage(kind, st, "vst", "v", "k0")}\
+% else:
+        __local const ${et} *ks = kst + (kb & 1) * (BK * KS), *vs = vst + (kb & 1) * (BK * KS);
+%   if edges:
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "vs", "nonfinite[FLAG(kb)]")}\
+        }
+%   endif
+        if (lid == 0) nonfinite[FLAG(kb + 1)] = 0;
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) and V(kb) staged (V's flag set); block kb − 1's buffers used up
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "(kst + ((kb + 1) & 1) * (BK * KS))", "k", "k0 + BK")}\
+${tp.stage(kind, st, "(vst + ((kb + 1) & 1) * (BK * KS))", "v", "k0 + BK")}\
+        }
+% endif
 ${tp.commit(kind)}\
         float s[BK / 8][4];
         #pragma unroll
@@ -182,19 +216,21 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
                 }
             }
         }
+% if stages == 1:
 ${tp.landed(kind, 0)}\
-% if edges:
+%   if edges:
         if (edge) {  // only such a block reads the flag
-${tp.scan(st, "vst", "nonfinite[kb & 1]")}\
+${tp.scan(st, "vst", "nonfinite[FLAG(kb)]")}\
         }
-% endif
+%   endif
         barrier(CLK_LOCAL_MEM_FENCE);  // V(kb) staged (and its flag set); K(kb) used up
         if (kb + 1 < nkb) {
 ${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
         }
 ${tp.commit(kind)}\
+% endif
 % if edges:
-        if (edge && nonfinite[kb & 1]) {
+        if (edge && nonfinite[FLAG(kb)]) {
 ${tp.pv(kind, st, True, visible)}\
         } else {
 ${tp.pv(kind, st, False, visible)}\

@@ -222,35 +222,50 @@ FWD = Spec(
 # its tile products (tile_products.cl.mako) chosen by clops.mma.forward_product. Op name in the
 # tuning database "attention_fwd_mma", shape class {"hd", "st", "product"}. Its parameters:
 #   nw  warps of 32 work-items per group, each on 16 query rows (16·nw rows a group);
-#   bk  keys per key block, a multiple of 16.
-# Local memory: 2·bk·(hd + e)·s + 8 bytes (s = 4, e = 4 for float storage; s = 2, e = 8 for 16-bit),
-# plus 4·(16·nw·bk + 64·nw) with the portable products.
+#   bk  keys per key block, a multiple of 16;
+#   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products).
+# Local memory: 2·stages·bk·(hd + e)·s + 4·(stages + 1) bytes (s = 4, e = 4 for float storage; s = 2,
+# e = 8 for 16-bit), plus 4·(16·nw·bk + 64·nw) with the portable products.
 
-def _mma_local_bytes(p, sc):
+def _mma_local_bytes(p, sc, stages=1):
     pad, size = (8, 2) if sc["st"] != "float" else (4, 4)
     stage = p["bk"] * (sc["hd"] + pad) * size  # K, and V
     portable = 4 * (16 * p["nw"] * p["bk"] + 2 * 32 * p["nw"]) if sc["product"] == "fma" else 0
-    return 2 * stage + 8 + portable
+    return 2 * stages * stage + 4 * (stages + 1) + portable
+
+
+def _h200_tiles(sc):
+    """The H200's measured forward tiles: 8 warps and 32 keys above hd 128 (float32 storage: above 64),
+    4 and 64 below."""
+    big = sc["hd"] > (64 if sc["st"] == "float" else 128)
+    return {"nw": 8, "bk": 32} if big else {"nw": 4, "bk": 64}
 
 
 def _mma_heuristic(dev, sc):
-    """Tiles from the H200's measurements on a GPU (fewer keys until the block fits), two warps and 16
-    keys elsewhere."""
+    """Two warps, 16 keys and one buffer off a GPU. On a GPU (fewer keys until the blocks fit): with the
+    16-bit products 4 warps, 64 keys up to hd 64, 32 above, two buffers where they fit, one above (an
+    H100's bf16 sweeps, 2026-12-05, causal forward: hd 128 251 TFLOP/s against 233 at 64 keys and one
+    buffer, hd 64 194 against 180; hd 256 4 warps as fast as 8, and faster under a sliding window of
+    512, 185 against 155, or a softcap, 246 against 234); with the others the H200's tiles, one buffer."""
     if not dev.type & cl.device_type.GPU:
-        return {"nw": 2, "bk": 16}
-    # measured on the H200: 8 warps and 32 keys best above hd 128 (tf32x3: above 64), 4 and 64 below
-    big = sc["hd"] > (64 if sc["st"] == "float" else 128)
-    p = {"nw": 8, "bk": 32} if big else {"nw": 4, "bk": 64}
-    while _mma_local_bytes(p, sc) > dev.local_mem_size and p["bk"] > 16:
+        return {"nw": 2, "bk": 16, "stages": 1}
+    if sc["product"] in ("bf16", "f16"):
+        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2}
+        if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
+            p["stages"] = 1
+    else:
+        p = dict(_h200_tiles(sc), stages=1)
+    while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
 
 
 FWD_MMA = Spec(
-    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk"),
-    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128]}, _mma_heuristic,
-    rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),),
-    wg=lambda p, sc: 32 * p["nw"], local_bytes=_mma_local_bytes,
+    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages"),
+    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2]}, _mma_heuristic,
+    rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
+                         (p["stages"] in (1, 2), "stages must be 1 or 2")),
+    wg=lambda p, sc: 32 * p["nw"], local_bytes=lambda p, sc: _mma_local_bytes(p, sc, p["stages"]),
     render=lambda p, sc: {**PLAIN, "fuse": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
 
@@ -504,8 +519,11 @@ def _bwd_mma_heuristic(pass_):
     """Tiles from the H200's sweeps (bf16) on a GPU, fewer keys until the blocks fit; two warps and 16
     elsewhere."""
     def heuristic(dev, sc):
-        if pass_ == "dqs":  # not yet swept: the forward's
-            return _mma_heuristic(dev, sc)
+        if pass_ == "dqs":  # not yet swept: the H200's forward tiles
+            p = _h200_tiles(sc) if dev.type & cl.device_type.GPU else {"nw": 2, "bk": 16}
+            while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
+                p["bk"] //= 2
+            return p
         # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
         big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
         p = {"nw": 2, "bk": 16, "af": 1}

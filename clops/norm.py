@@ -24,7 +24,7 @@ Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, f
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
 
-Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW`` and ``DW``), shape class ``{"d": d, "st":
+Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW``, ``ADD_BWD_DW`` and ``DW``), shape class ``{"d": d, "st":
 st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) for the row kernels,
 ``{"d": d}`` for ``rms_norm_dw``:
 
@@ -36,19 +36,22 @@ st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) fo
   ``MAX_CACHED`` vectors (else read twice); 2, read twice (from the caches: fewer registers, more
   rows in flight). The heuristic loads 16 bytes a vector (``vw`` 4 at float32, 8 at 16-bit
   storage) and holds rows (``rr`` 1).
-- op ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``,
-  ``add_rms_norm_bwd``; the spec ``BWD_DW``): ``wg``, ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows
-  per step), ``gpc`` groups per compute unit: the grid is at most ``gpc`` ×
-  CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of rows. The
-  heuristic takes the row heuristic's layout at float32 (dx then has ``rms_norm_bwd``'s bits) with
-  ``gpc`` 2; at 16-bit storage float32's work-items a row (their widened vectors are twice
-  float32's registers), rows read twice, ``gpc`` 4 on a GPU.
+- ops ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``; the spec
+  ``BWD_DW``) and ``"add_rms_norm_bwd"`` (the same pass reading ``ds`` too; ``ADD_BWD_DW``): ``wg``,
+  ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows per step), ``gpc`` groups per compute unit: the
+  grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least
+  ``MIN_STEPS`` steps of rows. The heuristics take the row heuristic's layout at float32 (dx then
+  has ``rms_norm_bwd``'s bits) with ``gpc`` 2; at 16-bit storage, rows read twice, with
+  float32's work-items a row (their widened vectors are twice float32's registers) and ``gpc`` 4
+  on a GPU, and ``add_rms_norm_bwd`` there about 16 vectors a work-item and ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
   columns × 8 slices of rows.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pyopencl as cl
@@ -110,6 +113,15 @@ def heuristic_bwd_dw(dev, sc):
     return dict(heuristic_rows(dev, sc), gpc=2)
 
 
+def heuristic_add_bwd_dw(dev, sc):
+    """heuristic_bwd_dw's, but at 16-bit storage on a GPU about 16 vectors a work-item and eight groups per
+    compute unit: the pass that reads ds too. (H100 sweep at d = 5120, bf16, 2026-12-05: 0.358 ms at
+    wg 64, gpc 8 against 0.404 at rms_norm_bwd_dw's layout.)"""
+    if sc["st"] != "float" and dev.type & cl.device_type.GPU:
+        return dict(_rows_layout(dev, sc, 16), rr=2, gpc=8)
+    return heuristic_bwd_dw(dev, sc)
+
+
 def _vw_rule(p):
     return p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"
 
@@ -150,8 +162,11 @@ BWD_DW = Spec(
     # the row sums' scratch, and the segments' partial sums when a group takes several rows a step
     local_bytes=lambda p, sc: 4 * p["wg"] * (1 + (vector_width(p["vw"], sc["d"]) if p["rpg"] > 1 else 0)),
     render=_render_bwd_dw,
-    doc="rms_norm_bwd with dw and add_rms_norm_bwd (one pass): wg work-items per group, vw vector width, "
-        "rpg rows per step, rr reads of a row, gpc groups per compute unit")
+    doc="rms_norm_bwd with dw (one pass): wg work-items per group, vw vector width, rpg rows per step, rr "
+        "reads of a row, gpc groups per compute unit")
+ADD_BWD_DW = dataclasses.replace(BWD_DW, op="add_rms_norm_bwd", heuristic=heuristic_add_bwd_dw,
+                                 doc="add_rms_norm_bwd (one pass): the parameters of rms_norm_bwd_dw")
+_ONE_PASS = {"rms_norm_bwd_dw": BWD_DW, "add_rms_norm_bwd": ADD_BWD_DW}  # kernel name: its spec
 
 COLUMN_SUM_WG = 256  # the column sum's groups: 32 columns × 8 slices of rows (cl_kernels/rms_norm.cl.mako)
 DW = Spec(
@@ -273,10 +288,10 @@ def bwd_dw_groups(dev, p, n, min_steps=MIN_STEPS):
 
 
 def _bwd_dw_plan(queue, name, n, d, st, wst):
-    sc = {"d": d, "st": st}
-    p = BWD_DW.params(queue.device, sc)
+    sc, spec = {"d": d, "st": st}, _ONE_PASS[name]
+    p = spec.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)
-    _, knl = BWD_DW.kernels(queue, sc, idx=idx, st=st, wst=wst)
+    _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst)
     groups, per_group = bwd_dw_groups(queue.device, p, n)
     itype = index_scalar(idx)
     return knl[name], groups, [itype(n), np.uint32(d // p["vw"]), np.float32(d)], itype(per_group)
@@ -287,7 +302,7 @@ def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait
     column sum of its groups' partial sums into ``dw``; returns ``(dx, dw)``."""
     n, d = x.shape
     st, wst = storage(x.dtype), storage(w.dtype)
-    knl, groups, sizes, per_group = BWD_DW.plan(queue, (name, n, d, st, wst), _bwd_dw_plan, name, n, d, st, wst)
+    knl, groups, sizes, per_group = _ONE_PASS[name].plan(queue, (n, d, st, wst), _bwd_dw_plan, name, n, d, st, wst)
     partial = scratch(queue, groups * d, allocator)  # per-group column sums
     ins = [x, w, inv, dy] + ([ds] if ds is not None else [])
     args = [dx.base_data, partial, *(a.base_data for a in ins), *sizes, eps, gain_offset(gemma), per_group]

@@ -91,7 +91,6 @@ class Family:
     prepare: object  # prepare(queue, shape_class, problem) -> Case
     doc: str
     kernels: tuple = ()  # kernels timed (empty: all the op enqueues)
-    timed: str = ""  # the op timed where it is not the spec's own (its sweep saves into the spec's entry)
 
     @property
     def op(self):
@@ -177,7 +176,7 @@ def _rms_norm_dw(queue, sc, pb):
 
 def _one_pass(resid, queue, sc, pb):
     """The one-pass backward: rms_norm_bwd with the gain gradient, or with ``resid`` add_rms_norm_bwd (the
-    same pass with ds read and added; both take rms_norm_bwd_dw's parameters)."""
+    same pass with ds read and added)."""
     d, n, st = sc["d"], pb["rows"], sc["st"]
     (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
     _, inv = ref.rms_norm(x, w)
@@ -398,14 +397,11 @@ FAMILIES = {
                           _rms_norm_dw, "rms_norm_dw on [rows, d]"),
     "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
                               lambda sc, small: {"rows": 256 if small else _TOKENS}, functools.partial(_one_pass, False),
-                              "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass "
-                              "(add_rms_norm_bwd's parameters too)"),
-    "add_rms_norm_bwd": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
+                              "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass"),
+    "add_rms_norm_bwd": Family(norm.ADD_BWD_DW, {"d": 5120, "st": "float"},
                                lambda sc, small: {"rows": 256 if small else _TOKENS},
                                functools.partial(_one_pass, True),
-                               "add_rms_norm_bwd on [rows, d] of storage st: the one pass reading ds too, timed "
-                               "for rms_norm_bwd_dw's parameters (--save writes that op's entry, shared by both)",
-                               timed="add_rms_norm_bwd"),
+                               "add_rms_norm_bwd on [rows, d] of storage st: the one pass reading ds too"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
                             "attention forward on [windows·window, nh|nkv, hd]"),
     "attention_fwd_mma": Family(attn.FWD_MMA, {"hd": 128, "st": "bf16", "product": "bf16"}, _attention_problem,
@@ -475,7 +471,7 @@ def _key(params):
 
 def header(fam, dev, sc, problem, space, check_problem=None):
     platform, name, driver = runtime.device_identity(dev)
-    return {"tool": "clops tune", "op": fam.op, "timed": fam.timed or fam.op, "shape_class": sc,
+    return {"tool": "clops tune", "op": fam.op, "shape_class": sc,
             "device": {"platform": platform, "name": name, "driver": driver, "key": tuning.device_key(dev)},
             "template_hash": template_hash(fam.templates), "templates": list(fam.templates),
             "problem": problem, "check_problem": check_problem or problem, "params": list(space)}
@@ -495,7 +491,7 @@ def load_results(path, head):
     if oh.get("template_hash") != head["template_hash"]:
         raise ValueError(f"{path} was made with other template text ({', '.join(head['templates'])} changed "
                          "since): refusing to resume (pass --fresh to start over, or another --out)")
-    for field in ("op", "timed", "shape_class", "problem", "check_problem", "params"):
+    for field in ("op", "shape_class", "problem", "check_problem", "params"):
         if oh.get(field) != head[field]:
             raise ValueError(f"{path} was made for {field} {oh.get(field)!r}, this sweep has {head[field]!r}: "
                              "refusing to resume (pass --fresh to start over, or another --out)")

@@ -8,8 +8,11 @@ Tolerances as tests/test_norm.py: float32 storage, relative L2 error against the
 16-bit output within 1 ulp of its dtype at the row's scale of the float64 result (of the same rounded
 inputs, the device's own inv and stored s) rounded once, plus the float32 tolerance of that scale
 (tests/helpers.assert_storage_close); float32 outputs keep the float32 tolerances."""
+import types
+
 import ml_dtypes
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 import pytest
 
@@ -130,6 +133,7 @@ def test_in_place_residual(queue):
         if rows:
             norm_override("rms_norm", d, rows)
             norm_override("rms_norm_bwd_dw", d, dict(rows, gpc=2))
+            norm_override("add_rms_norm_bwd", d, dict(rows, gpc=2))
         a, w, b, ds = _data(n, d, np.float32, np.float32)
         A, B, W, DS, DY = to_device(queue, a, b, w, ds, rnd((n, d), 7))
         s, y, inv = (t.get() for t in clops.add_rms_norm(queue, A, B, W))
@@ -165,6 +169,7 @@ def override():
 ])
 def test_launch_parameters(queue, override, d, params):
     override("rms_norm_bwd_dw", d, params)
+    override("add_rms_norm_bwd", d, params)
     n = 37
     x, w, dy, ds = _data(n, d, np.float32, np.float32)
     X, W, DY, DS = to_device(queue, x, w, dy, ds)
@@ -233,3 +238,14 @@ def test_dtypes_and_overlaps_are_checked(queue):
     # in place is for the residual stream only: s or out as a or b, dx as ds
     assert clops.add_rms_norm(queue, a, b, w32, s=a, out=b)[0] is a
     assert clops.add_rms_norm_bwd(queue, s, w32, inv, hb((n, d)), b, dx=b)[0] is b
+
+
+def test_one_pass_heuristics_on_a_gpu():
+    """At 16-bit storage on a GPU the pass that reads ds spreads a row over fewer work-items (about 16
+    vectors each) in eight groups a compute unit, rms_norm_bwd's with dw over float32's in four; float32
+    takes the same layout for both."""
+    gpu = types.SimpleNamespace(type=cl.device_type.GPU, max_work_group_size=1024)
+    bf16, f32 = {"d": 5120, "st": "bf16"}, {"d": 5120, "st": "float"}
+    assert norm.ADD_BWD_DW.heuristic(gpu, bf16) == {"wg": 64, "vw": 8, "rpg": 1, "rr": 2, "gpc": 8}
+    assert norm.BWD_DW.heuristic(gpu, bf16) == {"wg": 256, "vw": 8, "rpg": 1, "rr": 2, "gpc": 4}
+    assert norm.ADD_BWD_DW.heuristic(gpu, f32) == norm.BWD_DW.heuristic(gpu, f32)

@@ -9,8 +9,11 @@ matrix-unit products where the probe passes (NVIDIA), at the tolerances of tests
 NVIDIA the other attention tests run the matrix-unit forward too: it is the default there at 16-bit
 storage (tests/test_attention_narrow.py's backward takes the portable kernels by CLOPS_MMA=0).
 """
+import types
+
 import ml_dtypes
 import numpy as np
+import pyopencl as cl
 import pytest
 
 import clops
@@ -103,23 +106,30 @@ def test_rows_whose_max_grows_block_by_block(queue, product, dtype):
     q = 2 * d + 0.05 * rng.standard_normal((n, 2, hd))
     k = (6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd))
     qkv = tuple(x.astype(dtype) for x in (q, k, ref.rnd((n, 1, hd), 3)))
-    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16}, qkv=qkv)
+    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1}, qkv=qkv)
 
 
-@pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16}, {"nw": 3, "bk": 48}])
+@pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16, "stages": 1}, {"nw": 3, "bk": 48, "stages": 1}, {"nw": 2, "bk": 16, "stages": 2}])
 def test_tiles(queue, product, tiles):
     _check(queue, 90, 2, 1, 48, tiles=tiles, window=45)
 
 
 @pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
                          ids=["causal", "sliding-non-causal"])
-def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw):
+@pytest.mark.parametrize("stages", [1, 2])
+def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw, stages):
     """A NaN of V in a block that crosses the mask reaches only the rows whose mask lets its key in
-    (a matrix product would multiply it by their zero P)."""
+    (a matrix product would multiply it by their zero P), with one buffer of K and V or two (the
+    block's flag set before the barrier that the products follow)."""
     n, key, col = 80, 37, 5
     q, k, v = (ref.rnd((n, 1, 16), seed) for seed in (1, 2, 3))
     v[key, 0, col] = np.nan
-    o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
+    sc = {"hd": 16, "st": "float", "product": mma.forward_product(queue, "float")[0]}
+    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages})
+    try:
+        o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
+    finally:
+        tuning.override("attention_fwd_mma", sc, None)
     i = np.arange(n)
     sees = key <= i if kw.get("causal", True) else np.abs(i - key) < kw["sliding_window"]
     where = np.zeros((n, 1, 16), bool)
@@ -271,13 +281,15 @@ def test_path_choice(queue, monkeypatch):
 # and stored once. (way, head dim, dtype, keywords)
 EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
-            ("fwd", 40, np.float32, {"window": 50}), ("bwd", 32, BF16, WINDOW_2),
+            ("fwd", 40, np.float32, {"window": 50}),
+            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2})), ("bwd", 32, BF16, WINDOW_2),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})]
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
-                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40", "bwd-bf16-sliding-2",
+                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40",
+                              "bf16-48-sliding-2-two-stages", "bwd-bf16-sliding-2",
                               "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
     ok, why = mma.probe(queue.device, queue.context, emulate=True)
@@ -315,6 +327,19 @@ def test_info_names_the_attention_path(capsys):
         assert fwd.split(": ", 1)[1].startswith(kernels)
         assert bwd.split(": ", 1)[1].startswith(kernels + (", dS stored where its scratch fits" if product is None
                                                            else ", dS stored from hd 256"))
+
+
+def test_two_buffers_where_they_fit():
+    """On a GPU of 48 KiB of local memory the 16-bit forward takes two buffers of K and V at hd 64 and 128
+    and one at hd 256, where two would not fit; the float32 products one."""
+    gpu = types.SimpleNamespace(type=cl.device_type.GPU, local_mem_size=49152, max_work_group_size=1024)
+    got = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}) for hd in (64, 128, 256)}
+    assert got == {64: {"nw": 4, "bk": 64, "stages": 2}, 128: {"nw": 4, "bk": 32, "stages": 2},
+                   256: {"nw": 4, "bk": 32, "stages": 1}}
+    assert FWD_MMA.violation(gpu, {"hd": 256, "st": "bf16", "product": "bf16"}, dict(got[256], stages=2))
+    for hd, p in got.items():
+        FWD_MMA.check(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}, p)
+    assert FWD_MMA.heuristic(gpu, {"hd": 128, "st": "float", "product": "tf32x3"})["stages"] == 1
 
 
 def test_local_memory_spec_fits_every_head_dim(queue):

@@ -112,6 +112,7 @@ def run_norm(queue):
         norm_override("rms_norm", d, rows)
         norm_override("rms_norm_dw", d, dw)
         norm_override("rms_norm_bwd_dw", d, None if rows is None else dict(rows, gpc=1))
+        norm_override("add_rms_norm_bwd", d, None if rows is None else dict(rows, gpc=1))
         for gemma in (False, True):
             (y, inv), (wy, winv) = clops.rms_norm(queue, x_, w_, gemma=gemma), ref.rms_norm(x, w, gemma=gemma)
             _expect("rms_norm y", y, wy)
@@ -362,17 +363,19 @@ def run_attention_mma(queue):
     from clops import mma, reference as ref, tuning
     from clops.reference import rnd
 
-    # The matrix-unit driver with the portable products: two warps of 16 rows and 16-key blocks
-    # over windows and sequences of 17-34 rows (partial blocks), every variant flag, a NaN of V in
-    # a block crossing the diagonal (the exact masked form), bfloat16 storage.
+    # The matrix-unit driver with the portable products: two warps of 16 rows and 16-key blocks, one
+    # buffer of K and V or two in turn, over windows and sequences of 17-34 rows (partial blocks),
+    # every variant flag, a NaN of V in a block crossing the diagonal (the exact masked form),
+    # bfloat16 storage.
     nh, nkv, n = 4, 2, 34
     with mma.using("fma"):
-        for hd, dtype, kw in ((8, "float32", dict(window=17)), (16, "float32", dict(window=17)),
-                              (8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
-                              (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
-                              (16, "bfloat16", dict(window=34))):
+        for i, (hd, dtype, kw) in enumerate(((8, "float32", dict(window=17)), (16, "float32", dict(window=17)),
+                                             (8, "float32", dict(window=17, causal=False, sliding_window=5, softcap=2.0)),
+                                             (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32),
+                                                                 sliding_window=4)),
+                                             (16, "bfloat16", dict(window=34)))):
             tuning.override("attention_fwd_mma", {"hd": hd, "st": "float" if dtype == "float32" else "bf16",
-                                                  "product": "fma"}, {"nw": 2, "bk": 16})
+                                                  "product": "fma"}, {"nw": 2, "bk": 16, "stages": 1 + i % 2})
             q, k, v = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
                                                                         ((n, nkv, hd), 33)))
             (o, lse), (wo, wlse) = clops.attention(queue, *(cla.to_device(queue, a) for a in (q, k, v)), **kw), \
