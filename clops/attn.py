@@ -519,15 +519,12 @@ def _bwd_mma_heuristic(pass_):
     """Tiles from the H200's sweeps (bf16) on a GPU, fewer keys until the blocks fit; two warps and 16
     elsewhere."""
     def heuristic(dev, sc):
-        if pass_ == "dqs":  # not yet swept: the H200's forward tiles
-            p = _h200_tiles(sc) if dev.type & cl.device_type.GPU else {"nw": 2, "bk": 16}
-            while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
-                p["bk"] //= 2
-            return p
+        gpu = dev.type & cl.device_type.GPU
         # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
         big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
-        p = {"nw": 2, "bk": 16, "af": 1}
-        if dev.type & cl.device_type.GPU:
+        if pass_ == "dqs":  # not yet swept: the H200's forward tiles
+            p = _h200_tiles(sc) if gpu else {"nw": 2, "bk": 16}
+        elif gpu:
             # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps and 32
             # keys; dkv 4 warps and 32 query rows, above hd 128 the column halves in the two warps of
             # a pair (qwen-hd256: 6.12 ms against 9.65 in two groups; at hd 128 3.52 against 2.67 whole);
@@ -536,10 +533,11 @@ def _bwd_mma_heuristic(pass_):
             p = {"nw": 8 if big and pass_ == "dq" else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
             if sc["product"] == "tf32x3" and big:  # not yet swept: A operands read at each step (L1)
                 p["af"] = 2
+        else:
+            p = {"nw": 2, "bk": 16, "af": 1}
         if pass_ == "dkv":
-            gpu_big = big and dev.type & cl.device_type.GPU
-            p["cs"] = 2 if gpu_big and sc["hd"] % 16 == 0 else 1
-            p["sx"] = 2 if gpu_big and sc["hd"] % 32 == 0 else 1
+            p["cs"] = 2 if big and gpu and sc["hd"] % 16 == 0 else 1
+            p["sx"] = 2 if big and gpu and sc["hd"] % 32 == 0 else 1
         while _bwd_mma_local_bytes(pass_)(p, sc) > dev.local_mem_size and p["bk"] > 16:
             p["bk"] //= 2
         return p
