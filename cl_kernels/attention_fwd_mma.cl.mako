@@ -9,7 +9,8 @@
 // softmax (row maxima and sums across the 4 lanes of a quad), then, V staged beside K, each
 // warp accumulates O += P·V into acc[HD/8][4] (the head dim in tiles of 8 columns). K and V
 // reach local memory without registers (cp.async on the matrix units, plain copies on the
-// portable products), K during the previous block's P·V, V during Q·Kᵀ, so global latency hides
+// portable products), with one buffer K during the previous block's P·V and V during Q·Kᵀ, with
+// two the next block's K and V during all of this block's products, so global latency hides
 // behind the products. Rows past the sequence compute on zero Q and are never stored; keys past
 // it are staged as zero and masked.
 // In blocks crossing the mask's edges a key a row does not see has P = 0, which a matrix
