@@ -11,6 +11,7 @@ import glob
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pyopencl as cl
 
@@ -68,7 +69,7 @@ def register_cpu_runtime():
             os.remove(os.path.join(folder, name))
         for name, text in wanted.items():
             path = os.path.join(folder, name)
-            if not os.path.exists(path) or open(path).read() != text:
+            if not os.path.exists(path) or Path(path).read_text() != text:
                 with open(path + ".tmp", "w") as f:
                     f.write(text)
                 os.replace(path + ".tmp", path)
