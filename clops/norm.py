@@ -24,9 +24,9 @@ Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, f
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
 
-Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW``, ``ADD_BWD_DW`` and ``DW``), shape class ``{"d": d, "st":
-st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) for the row kernels,
-``{"d": d}`` for ``rms_norm_dw``:
+Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW``, ``ADD_BWD_DW`` and ``DW``), shape class
+``{"d": d, "st": st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) for
+the row kernels, ``{"d": d}`` for ``rms_norm_dw``:
 
 - op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
   ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
