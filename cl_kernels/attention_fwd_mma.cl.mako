@@ -71,6 +71,7 @@ ${tp.decls(kind, st, emulate)}\
 #define LAZY_MAX 8.0f  // log2 of how far a score may pass its row's reference max before the max moves
 #define STAGES ${stages}
 #define FLAG(kb) ((kb) % (STAGES + 1))
+#define BUF(kb) ((kb) % STAGES * (BK * KS))  // where block kb lies in kst and vst
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,
@@ -79,9 +80,6 @@ void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restr
                    const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "lse"] + ["cu"] * varlen)})
 {
     __local ${et} kst[STAGES * BK * KS] __attribute__((aligned(16))), vst[STAGES * BK * KS] __attribute__((aligned(16)));
-% if stages == 1:
-    __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
-% endif
     __local int nonfinite[STAGES + 1];        // V of block kb holds a NaN or ±Inf: nonfinite[FLAG(kb)]
 ${tp.locals(kind)}\
 
@@ -130,26 +128,24 @@ ${tp.load_q(kind, st)}\
     barrier(CLK_LOCAL_MEM_FENCE);  // the flags zeroed before the first block's scan
 % endif
     if (${kb_first} < nkb) {
-% if stages == 1:
-${tp.stage(kind, st, "kst", "k", "%s * BK" % kb_first)}\
-% else:
-${tp.stage(kind, st, "(kst + (%s & 1) * (BK * KS))" % kb_first, "k", "%s * BK" % kb_first)}\
-${tp.stage(kind, st, "(vst + (%s & 1) * (BK * KS))" % kb_first, "v", "%s * BK" % kb_first)}\
+${tp.stage(kind, st, "(kst + BUF(%s))" % kb_first, "k", "%s * BK" % kb_first)}\
+% if stages == 2:
+${tp.stage(kind, st, "(vst + BUF(%s))" % kb_first, "v", "%s * BK" % kb_first)}\
 % endif
     }
 ${tp.commit(kind)}\
     for (uint kb = ${kb_first}; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
+        __local const ${et} *ks = kst + BUF(kb), *vs = vst + BUF(kb);  // the key block's K and V
 % if edges:
         const bool edge = ${" || ".join(edges)};  // some row does not see some key of the block
 % endif
 ${tp.landed(kind, 0)}\
 % if stages == 1:
         barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged; V(kb - 1) used up
-        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
+        if (lid == 0) nonfinite[FLAG(kb + 1)] = 0;
 ${tp.stage(kind, st, "vst", "v", "k0")}\
 % else:
-        __local const ${et} *ks = kst + (kb & 1) * (BK * KS), *vs = vst + (kb & 1) * (BK * KS);
 %   if edges:
         if (edge) {  // only such a block reads the flag
 ${tp.scan(st, "vs", "nonfinite[FLAG(kb)]")}\
@@ -158,8 +154,8 @@ ${tp.scan(st, "vs", "nonfinite[FLAG(kb)]")}\
         if (lid == 0) nonfinite[FLAG(kb + 1)] = 0;
         barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) and V(kb) staged (V's flag set); block kb − 1's buffers used up
         if (kb + 1 < nkb) {
-${tp.stage(kind, st, "(kst + ((kb + 1) & 1) * (BK * KS))", "k", "k0 + BK")}\
-${tp.stage(kind, st, "(vst + ((kb + 1) & 1) * (BK * KS))", "v", "k0 + BK")}\
+${tp.stage(kind, st, "(kst + BUF(kb + 1))", "k", "k0 + BK")}\
+${tp.stage(kind, st, "(vst + BUF(kb + 1))", "v", "k0 + BK")}\
         }
 % endif
 ${tp.commit(kind)}\
