@@ -386,20 +386,22 @@ def _xent_problem(sc, small):
 
 
 _TOKENS = 16384  # the memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
+def _norm_rows(sc, small):
+    """The norm families' problem: 256 rows small, else the benchmark's tokens."""
+    return {"rows": 256 if small else _TOKENS}
+
+
 FAMILIES = {
     "elementwise": Family(
         elementwise.SPEC, {},
         lambda sc, small: {"rows": 64, "width": 960} if small else {"rows": _TOKENS, "width": 3 * 5120},
         _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
-    "rms_norm": Family(norm.ROWS, {"d": 5120, "st": "float"}, lambda sc, small: {"rows": 256 if small else _TOKENS},
-                       _rms_norm, "rms_norm + rms_norm_bwd on [rows, d] of storage st (float, half, bf16)"),
-    "rms_norm_dw": Family(norm.DW, {"d": 5120}, lambda sc, small: {"rows": 256 if small else _TOKENS},
-                          _rms_norm_dw, "rms_norm_dw on [rows, d]"),
-    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"},
-                              lambda sc, small: {"rows": 256 if small else _TOKENS}, functools.partial(_one_pass, False),
+    "rms_norm": Family(norm.ROWS, {"d": 5120, "st": "float"}, _norm_rows, _rms_norm,
+                       "rms_norm + rms_norm_bwd on [rows, d] of storage st (float, half, bf16)"),
+    "rms_norm_dw": Family(norm.DW, {"d": 5120}, _norm_rows, _rms_norm_dw, "rms_norm_dw on [rows, d]"),
+    "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"}, _norm_rows, functools.partial(_one_pass, False),
                               "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass"),
-    "add_rms_norm_bwd": Family(norm.ADD_BWD_DW, {"d": 5120, "st": "float"},
-                               lambda sc, small: {"rows": 256 if small else _TOKENS},
+    "add_rms_norm_bwd": Family(norm.ADD_BWD_DW, {"d": 5120, "st": "float"}, _norm_rows,
                                functools.partial(_one_pass, True),
                                "add_rms_norm_bwd on [rows, d] of storage st: the one pass reading ds too"),
     "attention_fwd": Family(attn.FWD, {"hd": 128}, _attention_problem, _attention_fwd,
