@@ -15,8 +15,12 @@ def _tuning_reread():
     """Ops memoise their tuning choice (clops.tuning.reload() forgets it) and read CLOPS_CHECKED
     once (clops.program.reload_switches()): after each test, whose monkeypatching of the database
     and the environment has been undone by then (autouse fixtures are torn down last), the next
-    one starts from the real database and environment."""
+    one starts from the real database and environment, and from the tile overrides there were
+    before it (a test's clops.tuning.override calls end with it)."""
+    overrides = dict(clops.tuning._overrides)
     yield
+    clops.tuning._overrides.clear()
+    clops.tuning._overrides.update(overrides)
     clops.tuning.reload()
     clops.program.reload_switches()
 

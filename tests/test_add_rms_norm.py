@@ -147,19 +147,6 @@ def test_in_place_residual(queue):
         assert DS.get().tobytes() == dx.tobytes()
 
 
-@pytest.fixture
-def override():
-    set_ = []
-
-    def put(op, d, params):
-        norm_override(op, d, params)
-        set_.append((op, d))
-
-    yield put
-    for op, d in set_:
-        norm_override(op, d, None)
-
-
 @pytest.mark.parametrize("d,params", [
     (4097, dict(wg=32, vw=1, rpg=1, rr=1, gpc=1)),  # 129 vectors per work-item: rows read twice
     (5120, dict(wg=64, vw=8, rpg=2, rr=2, gpc=3)),  # two rows a step: the segments' sums combined; read twice
@@ -167,9 +154,9 @@ def override():
     (129, dict(wg=24, vw=2, rpg=3, rr=1, gpc=2)),  # groups not a power of two
     (1, dict(wg=8, vw=1, rpg=4, rr=1, gpc=1)),    # one column: the backward's own formula
 ])
-def test_launch_parameters(queue, override, d, params):
-    override("rms_norm_bwd_dw", d, params)
-    override("add_rms_norm_bwd", d, params)
+def test_launch_parameters(queue, d, params):
+    norm_override("rms_norm_bwd_dw", d, params)
+    norm_override("add_rms_norm_bwd", d, params)
     n = 37
     x, w, dy, ds = _data(n, d, np.float32, np.float32)
     X, W, DY, DS = to_device(queue, x, w, dy, ds)

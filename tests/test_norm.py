@@ -72,29 +72,15 @@ def test_dw_adds_into_given_and_is_deterministic(queue):
     assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv, dy)) <= 1e-5
 
 
-@pytest.fixture
-def override():
-    """Set tuning overrides for the test; all removed afterwards."""
-    set_ = []
-
-    def put(op, d, params):
-        norm_override(op, d, params)
-        set_.append((op, d))
-
-    yield put
-    for op, d in set_:
-        norm_override(op, d, None)
-
-
 @pytest.mark.parametrize("d,rows,dw", [
     (4097, dict(wg=32, vw=1, rpg=1, rr=1), dict(wg=32, vw=1, rb=7)),  # 129 vectors per work-item: read twice
     (5120, dict(wg=64, vw=8, rpg=2, rr=1), dict(wg=16, vw=8, rb=1)),
     (6, dict(wg=64, vw=4, rpg=16, rr=1), dict(wg=64, vw=16, rb=300)),  # vw capped to 2 (divides 6)
     (129, dict(wg=24, vw=2, rpg=3, rr=2), dict(wg=3, vw=2, rb=5)),  # groups not a power of two; read twice
 ])
-def test_launch_parameters(queue, override, d, rows, dw):
-    override("rms_norm", d, rows)
-    override("rms_norm_dw", d, dw)
+def test_launch_parameters(queue, d, rows, dw):
+    norm_override("rms_norm", d, rows)
+    norm_override("rms_norm_dw", d, dw)
     _parity(queue, rnd((37, d), 11, 3.0), rnd(d, 12, 0.5), rnd((37, d), 13, 1.0), True)
 
 
@@ -115,15 +101,15 @@ def test_row_tiles_are_chosen_per_storage_type(queue):
         tuning.override("rms_norm", {"d": d, "st": "bf16"}, None)
 
 
-def test_parameters_the_device_cannot_hold(queue, override):
-    override("rms_norm", 64, dict(wg=2 * queue.device.max_work_group_size, vw=4, rpg=1, rr=1))
+def test_parameters_the_device_cannot_hold(queue):
+    norm_override("rms_norm", 64, dict(wg=2 * queue.device.max_work_group_size, vw=4, rpg=1, rr=1))
     X, W = to_device(queue, rnd((4, 64), 1), rnd(64, 2))
     with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
         clops.rms_norm(queue, X, W)
-    override("rms_norm", 64, dict(wg=64, vw=4, rpg=3, rr=1))
+    norm_override("rms_norm", 64, dict(wg=64, vw=4, rpg=3, rr=1))
     with pytest.raises(ValueError, match="rpg must divide wg"):
         clops.rms_norm(queue, X, W)
-    override("rms_norm", 64, dict(wg=64, vw=4, rpg=1, rr=3))
+    norm_override("rms_norm", 64, dict(wg=64, vw=4, rpg=1, rr=3))
     with pytest.raises(ValueError, match="rr must be 1 or 2"):
         clops.rms_norm(queue, X, W)
 
@@ -240,11 +226,11 @@ def test_narrow_dtypes_are_checked(queue):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)], ids=str)
-def test_column_sum_in_two_stages(queue, override, dtype):
+def test_column_sum_in_two_stages(queue, dtype):
     """Over 2·CHUNK partial rows the column sum takes two launches (chunks, then their sums): rms_norm_dw
     with one row a block, and qk_norm_rope_bwd with two units a block (a 16-bit dw rounded once at the end)."""
     n, d = 3 * norm.CHUNK + 5, 40
-    override("rms_norm_dw", d, dict(wg=32, vw=4, rb=1))
+    norm_override("rms_norm_dw", d, dict(wg=32, vw=4, rb=1))
     x, w, dy = rnd((n, d), 1, 2.0).astype(dtype), rnd(d, 2, 0.5).astype(dtype), rnd((n, d), 3).astype(dtype)
     X, W, DY = to_device(queue, x, w, dy)
     _, inv = clops.rms_norm(queue, X, W)
