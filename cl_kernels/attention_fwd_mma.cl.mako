@@ -22,6 +22,9 @@
 // of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and
 // V (1, or 2: a block's staged during the whole block before it, one barrier a block); FUSE: the score
 // coefficient c is positive (the host's test), so that the scale can wait for the softmax's fma.
+// AF: the matrix-unit products take the warp's Q fragments once, held in registers (1), or from
+// global memory at each key block, L1-cached (2: fewer registers; tf32x3 at hd 256 holds Q and O
+// in 256 floats a lane otherwise).
 <%!
     from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
@@ -112,7 +115,9 @@ ${tp.locals(kind)}\
 % if softcap:
     const float cr = c * 2.88539008f, cap2 = 2.0f * cap;  // softcap_neg_r's u = cr·score; capped = fma(cap2, −r, cap)
 % endif
+% if af == 1:
 ${tp.load_q(kind, st)}\
+% endif
 
 % if stages == 1:
     // Each block's K is staged during the previous block's P·V, its V during its own Q·Kᵀ: two
@@ -165,7 +170,7 @@ ${tp.commit(kind)}\
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
         }
-${tp.qk(kind, st)}\
+${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
         // Scale${" (and cap)" if softcap else ""}, masking only in blocks that hold a key some row does not
         // see (uniform across the group); row maxima across the quad.
         float mx[2] = {-INFINITY, -INFINITY};

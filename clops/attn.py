@@ -223,7 +223,11 @@ FWD = Spec(
 # tuning database "attention_fwd_mma", shape class {"hd", "st", "product"}. Its parameters:
 #   nw  warps of 32 work-items per group, each on 16 query rows (16·nw rows a group);
 #   bk  keys per key block, a multiple of 16;
-#   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products).
+#   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products);
+#   af  how the matrix-unit products fetch the warps' Q: 1 once, held in registers; 2 from global memory
+#       at each key block (L1-cached). Not yet swept on a GPU: the heuristic holds Q (1). The register
+#       proxy (tools/nvptx_registers.py, tf32x3 at hd 256, the heuristic's 8 warps and 16 keys) spills
+#       264 bytes a lane holding Q and 36 reading it.
 # Local memory: 2·stages·bk·(hd + e)·s + 4·(stages + 1) bytes (s = 4, e = 4 for float storage; s = 2,
 # e = 8 for 16-bit), plus 4·(16·nw·bk + 64·nw) with the portable products.
 
@@ -246,25 +250,26 @@ def _mma_heuristic(dev, sc):
     16-bit products 4 warps, 64 keys up to hd 64, 32 above, two buffers where they fit, one above (an
     H100's bf16 sweeps, 2026-12-05, causal forward: hd 128 251 TFLOP/s against 233 at 64 keys and one
     buffer, hd 64 194 against 180; hd 256 4 warps as fast as 8, and faster under a sliding window of
-    512, 185 against 155, or a softcap, 246 against 234); with the others the H200's tiles, one buffer."""
+    512, 185 against 155, or a softcap, 246 against 234); with the others the H200's tiles, one buffer. Q held
+    (af 1) everywhere."""
     if not dev.type & cl.device_type.GPU:
-        return {"nw": 2, "bk": 16, "stages": 1}
+        return {"nw": 2, "bk": 16, "stages": 1, "af": 1}
     if sc["product"] in ("bf16", "f16"):
-        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2}
+        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1}
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
     else:
-        p = dict(_h200_tiles(sc), stages=1)
+        p = dict(_h200_tiles(sc), stages=1, af=1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
 
 
 FWD_MMA = Spec(
-    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages"),
-    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2]}, _mma_heuristic,
+    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages", "af"),
+    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2], "af": [1, 2]}, _mma_heuristic,
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
-                         (p["stages"] in (1, 2), "stages must be 1 or 2")),
+                         (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2")),
     wg=lambda p, sc: 32 * p["nw"], local_bytes=lambda p, sc: _mma_local_bytes(p, sc, p["stages"]),
     render=lambda p, sc: {**PLAIN, "fuse": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")

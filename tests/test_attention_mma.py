@@ -106,10 +106,11 @@ def test_rows_whose_max_grows_block_by_block(queue, product, dtype):
     q = 2 * d + 0.05 * rng.standard_normal((n, 2, hd))
     k = (6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd))
     qkv = tuple(x.astype(dtype) for x in (q, k, ref.rnd((n, 1, hd), 3)))
-    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1}, qkv=qkv)
+    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1, "af": 1}, qkv=qkv)
 
 
-@pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16, "stages": 1}, {"nw": 3, "bk": 48, "stages": 1}, {"nw": 2, "bk": 16, "stages": 2}])
+@pytest.mark.parametrize("tiles", [{"nw": 1, "bk": 16, "stages": 1, "af": 1}, {"nw": 3, "bk": 48, "stages": 1, "af": 1},
+                                   {"nw": 2, "bk": 16, "stages": 2, "af": 1}])
 def test_tiles(queue, product, tiles):
     _check(queue, 90, 2, 1, 48, tiles=tiles, window=45)
 
@@ -125,7 +126,7 @@ def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw, stages):
     q, k, v = (ref.rnd((n, 1, 16), seed) for seed in (1, 2, 3))
     v[key, 0, col] = np.nan
     sc = {"hd": 16, "st": "float", "product": mma.forward_product(queue, "float")[0]}
-    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages})
+    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages, "af": 1})
     try:
         o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
     finally:
@@ -281,14 +282,14 @@ def test_path_choice(queue, monkeypatch):
 # and stored once. (way, head dim, dtype, keywords)
 EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
-            ("fwd", 40, np.float32, {"window": 50}),
-            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2})), ("bwd", 32, BF16, WINDOW_2),
+            ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2}}),
+            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1})), ("bwd", 32, BF16, WINDOW_2),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})]
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
-                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40",
+                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40-q-read",
                               "bf16-48-sliding-2-two-stages", "bwd-bf16-sliding-2",
                               "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
@@ -334,8 +335,8 @@ def test_two_buffers_where_they_fit():
     and one at hd 256, where two would not fit; the float32 products one."""
     gpu = types.SimpleNamespace(type=cl.device_type.GPU, local_mem_size=49152, max_work_group_size=1024)
     got = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}) for hd in (64, 128, 256)}
-    assert got == {64: {"nw": 4, "bk": 64, "stages": 2}, 128: {"nw": 4, "bk": 32, "stages": 2},
-                   256: {"nw": 4, "bk": 32, "stages": 1}}
+    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1}, 128: {"nw": 4, "bk": 32, "stages": 2, "af": 1},
+                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1}}
     assert FWD_MMA.violation(gpu, {"hd": 256, "st": "bf16", "product": "bf16"}, dict(got[256], stages=2))
     for hd, p in got.items():
         FWD_MMA.check(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}, p)

@@ -375,7 +375,7 @@ def run_attention_mma(queue):
                                                                  sliding_window=4)),
                                              (16, "bfloat16", dict(window=34)))):
             tuning.override("attention_fwd_mma", {"hd": hd, "st": "float" if dtype == "float32" else "bf16",
-                                                  "product": "fma"}, {"nw": 2, "bk": 16, "stages": 1 + i % 2})
+                                                  "product": "fma"}, {"nw": 2, "bk": 16, "stages": 1 + i % 2, "af": 1})
             q, k, v = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
                                                                         ((n, nkv, hd), 33)))
             (o, lse), (wo, wlse) = clops.attention(queue, *(cla.to_device(queue, a) for a in (q, k, v)), **kw), \
