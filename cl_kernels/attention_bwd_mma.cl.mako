@@ -40,7 +40,8 @@
 // (with CS 2): 1, or 2 for the two column halves taken by the two warps of a pair in one group
 // (8·NW keys a group), each computing S and dP over its half of the columns and adding the
 // pair's partial sums through local memory (the same bits in both: the sum commutes). STORE_DS (dkv):
-// the stored dS above.
+// the stored dS above. STAGES (dq): buffers of K and V, 1 (three barriers a block), or 2 (block
+// kb + 1's staged during all of block kb's products, one barrier a block).
 <%!
     from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
@@ -208,6 +209,9 @@ ${tp.pv(kind, st, False, seen_t, **args)}\
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
 </%def>
 % if pass_ == "dq":
+#define STAGES ${stages}
+#define FLAG(kb) ((kb) % (STAGES + 1))
+#define BUF(kb) ((kb) % STAGES * (BK * KS))  // where block kb lies in kst and vst
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
                  __global const ${et} *restrict v, __global const ${et} *restrict o,
@@ -216,9 +220,8 @@ void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restric
                  __global const int *restrict cu,""" if varlen else ""}
                  const uint ${"Tmax" if varlen else "T"}, const uint nh, const uint rep, const float c, const float scale${", const uint W" if sliding else ""}${", const float cap" if softcap else ""}${checked_args(*["q", "k", "v", "o", "dO", "lse", "dsum", "dq"] + ["cu"] * varlen)})
 {
-    __local ${et} kst[BK * KS] __attribute__((aligned(16))), vst[BK * KS] __attribute__((aligned(16)));
-    __local const ${et} *ks = kst, *vs = vst;  // the key block's K and V
-    __local int nonfinite[2];                 // K of block kb holds a NaN or ±Inf: nonfinite[kb & 1]
+    __local ${et} kst[STAGES * BK * KS] __attribute__((aligned(16))), vst[STAGES * BK * KS] __attribute__((aligned(16)));
+    __local int nonfinite[STAGES + 1];        // K of block kb holds a NaN or ±Inf: nonfinite[FLAG(kb)]
 ${tp.locals(kind, quads=False)}\
 
 ${query_rows()}
@@ -251,43 +254,72 @@ ${tp.load_q(kind, st, frag="df", src="dO")}\
 ${zeros("acc", "HD / 8")}\
 
 <% masked = mask_edges(causal, sliding, "q0", "k0", "BQ", "BK") %>\
+% if stages == 1:
     // K and V reach local memory without registers, V(kb) first and K(kb) second: dP = dO·Vᵀ runs
     // while K(kb) lands, the rest of the block while V(kb + 1) does, and the next dP while
     // K(kb + 1) does. Three barriers a block (four crossing the mask's edges).
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
+% else:
+    // Two buffers of K and V: block kb + 1's are staged during all of block kb's products, one
+    // barrier a block (the forward's scheme: three flags, the one zeroed before that barrier
+    // neither read nor set by anyone then).
+    if (lid == 0) nonfinite[0] = nonfinite[1] = nonfinite[2] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);  // the flags zeroed before the first block's scan
+% endif
     if (kb0 < nkb) {
-${tp.stage(kind, st, "vst", "v", "kb0 * BK")}\
+${tp.stage(kind, st, "(vst + BUF(kb0))", "v", "kb0 * BK")}\
+% if stages == 1:
 ${tp.commit(kind)}\
-${tp.stage(kind, st, "kst", "k", "kb0 * BK")}\
+% endif
+${tp.stage(kind, st, "(kst + BUF(kb0))", "k", "kb0 * BK")}\
 ${tp.commit(kind)}\
     }
     for (uint kb = kb0; kb < nkb; ++kb) {
         const uint k0 = kb * BK;
+        __local const ${et} *ks = kst + BUF(kb), *vs = vst + BUF(kb);  // the key block's K and V
 % if masked:
         const bool edge = ${" || ".join(masked)};  // some row does not see some key of the block
 % endif
+% if stages == 1:
 ${tp.landed(kind, 1)}\
         barrier(CLK_LOCAL_MEM_FENCE);  // V(kb) staged
-        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
+        if (lid == 0) nonfinite[FLAG(kb + 1)] = 0;
+% else:
+${tp.landed(kind, 0)}\
+%   if masked:
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "ks", "nonfinite[FLAG(kb)]")}\
+        }
+%   endif
+        if (lid == 0) nonfinite[FLAG(kb + 1)] = 0;
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) and V(kb) staged (K's flag set); block kb − 1's buffers used up
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "(vst + BUF(kb + 1))", "v", "k0 + BK")}\
+${tp.stage(kind, st, "(kst + BUF(kb + 1))", "k", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
+% endif
 ${zeros("dp", "BK / 8")}\
 ${tp.qk(kind, st, out="dp", frag=None if af == 2 else "df", bs="vs", src="dO")}\
+% if stages == 1:
 ${tp.landed(kind, 0)}\
-% if masked:
+%   if masked:
         if (edge) {  // only such a block reads the flag
-${tp.scan(st, "kst", "nonfinite[kb & 1]")}\
+${tp.scan(st, "ks", "nonfinite[FLAG(kb)]")}\
         }
-% endif
+%   endif
         barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged (and its flag set); V(kb) used up
         if (kb + 1 < nkb) {
 ${tp.stage(kind, st, "vst", "v", "k0 + BK")}\
         }
 ${tp.commit(kind)}\
+% endif
 ${zeros("s", "BK / 8")}\
 ${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
         ${coefficients("s", "dp", "row0 + g + (e >> 1) * 8", "k0 + 8 * j + 2 * t + (e & 1)", "nl2[e >> 1]", "dd[e >> 1]",
                        " && ".join(["!edge"] * bool(masked) + ["q0 + BQ <= T", "k0 + BK <= T"]))}
 % if masked:
-        if (edge && nonfinite[kb & 1]) {
+        if (edge && nonfinite[FLAG(kb)]) {
 ${tp.pv(kind, st, True, visible, p="dp", bs="ks")}\
         } else {
 ${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
@@ -295,11 +327,13 @@ ${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
 % else:
 ${tp.pv(kind, st, False, visible, p="dp", bs="ks")}\
 % endif
+% if stages == 1:
         barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) used up
         if (kb + 1 < nkb) {
 ${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
         }
 ${tp.commit(kind)}\
+% endif
     }
     ${store_rows("acc", "dq", "qbase", "qstride")}
 }

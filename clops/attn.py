@@ -502,6 +502,9 @@ BWD = {
 #   bk  the staged block: keys (dq, dqs) or query rows (dkv), a multiple of 16;
 #   af  dq and dkv: how the 16-bit products fetch the warps' A operands: 1 once, held in registers; 2 from
 #       global memory at each step (L1-cached: fewer registers, what hd 256 needs);
+#   stages  dq only: buffers of K and V, 1 (three barriers a block), or 2 (the next block's staged during
+#       all of this block's products, one barrier a block, as the forward's). Not yet swept on a GPU: the
+#       heuristic takes 1; at bf16 two buffers fit 48 KiB up to 32 keys at hd 128, 64 at hd 64;
 #   cs  dkv only, 1 or 2: the group computes 1/cs of dK's and dV's columns (cs groups per key block,
 #       each computing S and dP again), cs·8 dividing hd;
 #   sx  dkv only, 1 or 2: the warps computing S and dP for 16 keys; 2 (with cs 2, nw even, 32 dividing
@@ -514,7 +517,7 @@ BWD = {
 def _bwd_mma_local_bytes(pass_):
     def local_bytes(p, sc):
         quads = 256 * p["nw"] if sc["product"] == "fma" else 0
-        return (_mma_local_bytes(p, sc) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
+        return (_mma_local_bytes(p, sc, p.get("stages", 1)) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
                 + 64 * p["nw"] * p["bk"] * (p.get("sx", 1) - 1))
 
     return local_bytes
@@ -540,6 +543,8 @@ def _bwd_mma_heuristic(pass_):
                 p["af"] = 2
         else:
             p = {"nw": 2, "bk": 16, "af": 1}
+        if pass_ == "dq":
+            p["stages"] = 1
         if pass_ == "dkv":
             p["cs"] = 2 if big and gpu and sc["hd"] % 16 == 0 else 1
             p["sx"] = 2 if big and gpu and sc["hd"] % 32 == 0 else 1
@@ -552,6 +557,7 @@ def _bwd_mma_heuristic(pass_):
 
 def _bwd_mma_rules(p, sc):
     return ((p["bk"] % 16 == 0, "bk must be a multiple of 16"), (p.get("af", 1) in (1, 2), "af must be 1 or 2"),
+            (p.get("stages", 1) in (1, 2), "stages must be 1 or 2"),
             (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"),
             (p.get("sx", 1) in (1, 2), "sx must be 1 or 2"),
             (p.get("sx", 1) == 1 or (p["cs"] == 2 and p["nw"] % 2 == 0 and sc["hd"] % 32 == 0),
@@ -560,12 +566,14 @@ def _bwd_mma_rules(p, sc):
 
 BWD_MMA = {pass_: Spec(
     "attention_bwd_mma_" + pass_, "attention_bwd_mma.cl.mako",
-    ("nw", "bk") + (("af",) if pass_ != "dqs" else ()) + (("cs", "sx") if pass_ == "dkv" else ()),
+    ("nw", "bk") + (("af",) if pass_ != "dqs" else ()) + (("stages",) if pass_ == "dq" else ())
+    + (("cs", "sx") if pass_ == "dkv" else ()),
     lambda sc, pass_=pass_: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64], **({"af": [1, 2]} if pass_ != "dqs" else {}),
+                             **({"stages": [1, 2]} if pass_ == "dq" else {}),
                              **({"cs": [1, 2], "sx": [1, 2]} if pass_ == "dkv" else {})},
     _bwd_mma_heuristic(pass_), rules=_bwd_mma_rules,
     wg=lambda p, sc: 32 * p["nw"], local_bytes=_bwd_mma_local_bytes(pass_),
-    render=lambda p, sc, pass_=pass_: {**PLAIN, "af": 1, "cs": 1, "sx": 1, "store_ds": 0, **p, "hd": sc["hd"],
+    render=lambda p, sc, pass_=pass_: {**PLAIN, "af": 1, "stages": 1, "cs": 1, "sx": 1, "store_ds": 0, **p, "hd": sc["hd"],
                                        "st": sc["st"], "kind": sc["product"], "pass_": pass_},
     doc=f"attention backward's {pass_} pass on the matrix-unit driver (clops.mma chooses its tile products)")
     for pass_ in ("dq", "dkv", "dqs")}

@@ -204,11 +204,12 @@ def test_backward_variants(queue, product, store_ds, kw):
     _check_bwd(queue, product, 100, 4, 2, 32, BF16, store_ds=store_ds, **kw)
 
 
-@pytest.mark.parametrize("tiles, sx, hd", [({"nw": 3, "bk": 48, "af": 1}, 1, 48), ({"nw": 1, "bk": 16, "af": 2}, 1, 48),
-                                           ({"nw": 2, "bk": 32, "af": 1}, 2, 64)])
+@pytest.mark.parametrize("tiles, sx, hd", [({"nw": 3, "bk": 48, "af": 1, "stages": 1}, 1, 48),
+                                           ({"nw": 1, "bk": 16, "af": 2, "stages": 2}, 1, 48),
+                                           ({"nw": 2, "bk": 32, "af": 1, "stages": 2}, 2, 64)])
 def test_backward_tiles(queue, product, store_ds, tiles, sx, hd):
     """dkv's column split (cs = 2) across groups (sx = 1) or across the warps of a pair (sx = 2), each
-    storing dS once; af = 2 reads the A operands at each step."""
+    storing dS once; af = 2 reads the A operands at each step; dq's two buffers of K and V."""
     _check_bwd(queue, product, 90, 2, 1, hd, BF16, tiles=tiles, dkv={"cs": 2, "sx": sx}, store_ds=store_ds, window=45)
 
 
@@ -224,12 +225,16 @@ def test_stored_ds_stays_inside_its_scratch(queue, monkeypatch, n, kw):
         _check_bwd(queue, "fma", n, 2, 1, 16, BF16, store_ds=True, **kw)
 
 
-@pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
-                         ids=["causal", "sliding-non-causal"])
-def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, store_ds, kw):
+@pytest.mark.parametrize("kw, stages", [({"window": 80}, 1), ({"window": 80, "sliding_window": 9, "causal": False}, 1),
+                                        ({"window": 80, "sliding_window": 9, "causal": False}, 2)],
+                         ids=["causal", "sliding-non-causal", "sliding-non-causal-two-stages"])
+def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, store_ds, kw, stages):
     """A NaN of K at key 37 reaches dQ only in the rows that see key 37 (and dK, dV of that key); a NaN
     of Q or dO at row 37 reaches dK and dV only at the keys that row 37 sees (and dQ of that row):
-    matrix products would multiply it by the zero P or dS of the other pairs."""
+    matrix products would multiply it by the zero P or dS of the other pairs. (stages: dq's buffers of
+    K and V; the override ends with the test.)"""
+    sc = {"hd": 16, "st": "float", "product": mma.backward_product(queue, "float")[0]}
+    tuning.override("attention_bwd_mma_dq", sc, dict(BWD_MMA["dq"].heuristic(queue.device, sc), stages=stages))
     n, pos, col = 80, 37, 5
     q, k, v, do = (ref.rnd((n, 1, 16), seed) for seed in (1, 2, 3, 4))
     i = np.arange(n)
@@ -283,14 +288,15 @@ def test_path_choice(queue, monkeypatch):
 EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
             ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2}}),
-            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1})), ("bwd", 32, BF16, WINDOW_2),
+            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1})),
+            ("bwd", 32, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "af": 1, "stages": 2}, dkv={"cs": 1, "sx": 1})),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})]
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
                          ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40-q-read",
-                              "bf16-48-sliding-2-two-stages", "bwd-bf16-sliding-2",
+                              "bf16-48-sliding-2-two-stages", "bwd-bf16-sliding-2-two-stages",
                               "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
     ok, why = mma.probe(queue.device, queue.context, emulate=True)

@@ -404,7 +404,8 @@ def run_attention_bwd_mma(queue):
                               (8, "float32", dict(cu_seqlens=np.array([0, 3, 3, 20, n], np.int32), sliding_window=4)),
                               (32, "bfloat16", dict(window=34)), (32, "bfloat16", dict(window=34, store_ds=True))):
             # at hd 32 dkv's column halves are the two warps of a pair (sx), summing S and dP through local memory
-            for spec, tiles in (("attention_bwd_mma_dq", {"af": 1}), ("attention_bwd_mma_dqs", {}),
+            # dq with two buffers of K and V at float32 (the sliding window's edges, sequences), one at bf16
+            for spec, tiles in (("attention_bwd_mma_dq", {"af": 1, "stages": 2 if hd == 8 else 1}), ("attention_bwd_mma_dqs", {}),
                                 ("attention_bwd_mma_dkv", {"cs": 2, "sx": 2, "af": 1} if hd == 32 else {"cs": 1, "sx": 1, "af": 1})):
                 tuning.override(spec, {"hd": hd, "st": "float" if dtype == "float32" else "bf16", "product": "fma"},
                                 dict(tiles, nw=2, bk=16))
