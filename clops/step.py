@@ -21,8 +21,10 @@ of kernels it enqueues.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
+import pyopencl as cl
 import pyopencl.array as cla
 
 import clops
@@ -51,9 +53,6 @@ class Block:
         def dev(*s, scale=1.0):
             return cla.to_device(queue, (rng.standard_normal(s) * scale).astype(np.float32))
 
-        def empty(*s):
-            return cla.empty(queue, s, np.float32)
-
         self.x, self.w1, self.w2 = dev(n, d), dev(d, scale=0.1), dev(d, scale=0.1)
         self.q_raw, self.k_raw, self.v = dev(n, nh, hd), dev(n, nkv, hd), dev(n, nkv, hd)
         self.wq, self.wk = dev(hd, scale=0.1), dev(hd, scale=0.1)
@@ -67,9 +66,9 @@ class Block:
                         "dq": (n, nh, hd), "dk": (n, nkv, hd), "dv": (n, nkv, hd), "dq_raw": (n, nh, hd),
                         "dk_raw": (n, nkv, hd), "dx_norm": (n, d), "dx": (n, d), "dw1": (d,), "dw2": (d,),
                         "dwq": (hd,), "dwk": (hd,)}.items():
-            e[name] = empty(*s)
-        for g in ("dw1", "dw2", "dwq", "dwk"):
-            e[g].fill(0)
+            # the gains' gradients are added into: zeroed by a fill command (Array.fill builds a kernel,
+            # and Intel's runtime logs every build as a CompilerWarning)
+            e[name] = (cla.zeros if name in ("dw1", "dw2", "dwq", "dwk") else cla.empty)(queue, s, np.float32)
 
     def step(self):
         q, e, T = self.queue, self.e, self.T
@@ -194,8 +193,10 @@ def per_call(queue):
     args = [out.data, a.data, block.attn_proj.data, np.uint32(a.size)]
     ops["raw"] = lambda: raw(queue, gsize, (p["wg"],), *args)
     ops["array_add"] = lambda: a + block.attn_proj
-    for fn in ops.values():  # warm
-        _per_call_ms(queue, fn, 20)
+    with warnings.catch_warnings():  # warm; array_add builds pyopencl's own kernel, whose build log Intel's
+        warnings.simplefilter("ignore", cl.CompilerWarning)  # runtime fills on every build (clops ignores it too)
+        for fn in ops.values():
+            _per_call_ms(queue, fn, 20)
     best = dict.fromkeys(ops, float("inf"))
     for _ in range(ROUNDS):
         for name, fn in ops.items():
