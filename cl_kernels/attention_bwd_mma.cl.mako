@@ -209,9 +209,7 @@ ${tp.pv(kind, st, False, seen_t, **args)}\
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
 </%def>
 % if pass_ == "dq":
-#define STAGES ${stages}
-#define FLAG(kb) ((kb) % (STAGES + 1))
-#define BUF(kb) ((kb) % STAGES * (BK * KS))  // where block kb lies in kst and vst
+${tp.buffers(stages)}\
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attn_bwd_dq(__global const ${et} *restrict q, __global const ${et} *restrict k,
                  __global const ${et} *restrict v, __global const ${et} *restrict o,

@@ -72,9 +72,7 @@ ${common.guards()}\
 ${common.storage(st)}\
 ${tp.decls(kind, st, emulate)}\
 #define LAZY_MAX 8.0f  // log2 of how far a score may pass its row's reference max before the max moves
-#define STAGES ${stages}
-#define FLAG(kb) ((kb) % (STAGES + 1))
-#define BUF(kb) ((kb) % STAGES * (BK * KS))  // where block kb lies in kst and vst
+${tp.buffers(stages)}\
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS
 void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restrict k,

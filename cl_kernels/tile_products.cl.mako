@@ -599,6 +599,15 @@ ${nonfinite_check(st, "x", flag)}\
 % endif
 </%def>
 
+## The drivers' staging buffers: STAGES buffers of BK rows for each staged operand (1, or 2: the
+## next block staged during the current one's products), block kb in buffer BUF(kb); FLAG(kb) its
+## non-finite flag, of STAGES + 1 (so that the flag zeroed for the next block is nobody's then).
+<%def name="buffers(stages)">\
+#define STAGES ${stages}
+#define FLAG(kb) ((kb) % (STAGES + 1))
+#define BUF(kb) ((kb) % STAGES * (BK * KS))  // where block kb lies in its operand's buffers
+</%def>
+
 ## The drivers' geometry: head dim, warps and rows of a group, the staged block of BK rows, its row
 ## stride (padded against bank conflicts) and the 16-byte vectors each work-item fetches of it.
 <%def name="geometry(st, hd, nw, bk)">\

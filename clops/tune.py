@@ -386,6 +386,8 @@ def _xent_problem(sc, small):
 
 
 _TOKENS = 16384  # the memory-bound benchmark: n = 16384 tokens, d = 5120 (SwiGLU at 3·d)
+
+
 def _norm_rows(sc, small):
     """The norm families' problem: 256 rows small, else the benchmark's tokens."""
     return {"rows": 256 if small else _TOKENS}
