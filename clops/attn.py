@@ -225,9 +225,9 @@ FWD = Spec(
 #   bk  keys per key block, a multiple of 16;
 #   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products);
 #   af  how the matrix-unit products fetch the warps' Q: 1 once, held in registers; 2 from global memory
-#       at each key block (L1-cached). Not yet swept on a GPU: the heuristic holds Q (1). The register
+#       at each key block (L1-cached). The heuristic holds Q (1) but for tf32x3 above hd 128: the register
 #       proxy (tools/nvptx_registers.py, tf32x3 at hd 256, the heuristic's 8 warps and 16 keys) spills
-#       264 bytes a lane holding Q and 36 reading it.
+#       264 bytes a lane holding Q and 36 reading it, and an H100 runs it 1.27 times as fast reading it.
 # Local memory: 2·stages·bk·(hd + e)·s + 4·(stages + 1) bytes (s = 4, e = 4 for float storage; s = 2,
 # e = 8 for 16-bit), plus 4·(16·nw·bk + 64·nw) with the portable products.
 
@@ -251,7 +251,7 @@ def _mma_heuristic(dev, sc):
     H100's bf16 sweeps, 2026-12-05, causal forward: hd 128 251 TFLOP/s against 233 at 64 keys and one
     buffer, hd 64 194 against 180; hd 256 4 warps as fast as 8, and faster under a sliding window of
     512, 185 against 155, or a softcap, 246 against 234); with the others the H200's tiles, one buffer. Q held
-    (af 1) everywhere."""
+    (af 1) but for tf32x3 above hd 128."""
     if not dev.type & cl.device_type.GPU:
         return {"nw": 2, "bk": 16, "stages": 1, "af": 1}
     if sc["product"] in ("bf16", "f16"):
@@ -259,7 +259,9 @@ def _mma_heuristic(dev, sc):
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
     else:
-        p = dict(_h200_tiles(sc), stages=1, af=1)
+        # tf32x3 at hd 256 reads Q at each block (af 2): held, it spills (an H100, 2026-12-06: 36.7
+        # TFLOP/s against 29.3)
+        p = dict(_h200_tiles(sc), stages=1, af=2 if sc["hd"] > 128 else 1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
@@ -503,8 +505,9 @@ BWD = {
 #   af  dq and dkv: how the 16-bit products fetch the warps' A operands: 1 once, held in registers; 2 from
 #       global memory at each step (L1-cached: fewer registers, what hd 256 needs);
 #   stages  dq only: buffers of K and V, 1 (three barriers a block), or 2 (the next block's staged during
-#       all of this block's products, one barrier a block, as the forward's). Not yet swept on a GPU: the
-#       heuristic takes 1; at bf16 two buffers fit 48 KiB up to 32 keys at hd 128, 64 at hd 64;
+#       all of this block's products, one barrier a block, as the forward's). The heuristic takes 2
+#       (and 32 keys) with the 16-bit products up to hd 64, 1 elsewhere; at bf16 two buffers fit 48 KiB up
+#       to 32 keys at hd 128 (not yet swept there), 64 at hd 64;
 #   cs  dkv only, 1 or 2: the group computes 1/cs of dK's and dV's columns (cs groups per key block,
 #       each computing S and dP again), cs·8 dividing hd;
 #   sx  dkv only, 1 or 2: the warps computing S and dP for 16 keys; 2 (with cs 2, nw even, 32 dividing
@@ -543,8 +546,9 @@ def _bwd_mma_heuristic(pass_):
                 p["af"] = 2
         else:
             p = {"nw": 2, "bk": 16, "af": 1}
-        if pass_ == "dq":
-            p["stages"] = 1
+        if pass_ == "dq":  # 16-bit up to hd 64: 32 keys in two buffers (an H100, 2026-12-06: 0.187 ms against 0.209)
+            two = gpu and sc["product"] in ("bf16", "f16") and sc["hd"] <= 64
+            p.update({"stages": 2, "bk": 32} if two else {"stages": 1})
         if pass_ == "dkv":
             p["cs"] = 2 if big and gpu and sc["hd"] % 16 == 0 else 1
             p["sx"] = 2 if big and gpu and sc["hd"] % 32 == 0 else 1
