@@ -47,9 +47,10 @@
 //
 // Parameters: WG work-items per group, VW vector width, RPG rows per group
 // (per step), CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in
-// registers, RB rows per partial block, IDX the index type (uint when every
+// registers, PF 2 the one-pass backwards' next rows prefetched (PTX with `ptx`: NVIDIA's
+// OpenCL prefetch() does nothing measurable), RB rows per partial block, IDX the index type (uint when every
 // index fits 32 bits, else ulong), ST / WST / DWST the storage types above.
-<%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None"/>
+<%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None, pf=None, ptx=0"/>
 <%namespace name="common" file="common.cl.mako"/>
 ${common.guards()}\
 ${common.storage(st, wst, dwst)}\
@@ -345,6 +346,24 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
         const idx_t row = r0 + seg;
         const bool ok = row < last;
         const idx_t base = row * dv;
+% if pf == 2:
+        // The next step's rows into the caches while this one waits on its sum: memory busy across the
+        // barriers (no registers held). A hint: not a read, so neither guarded nor checked.
+        if (row + RPG < last) {
+            for (uint k = 0; k < CH; ++k) {
+                const uint j = t + k * TPR;
+                if (j < dv) {
+%   for a in ["x", "dy"] + (["ds"] if resid else []):
+%     if ptx:
+                    asm volatile("prefetch.global.L2 [%0];" :: "l"(${a} + base + RPG * dv + j));
+%     else:
+                    prefetch(${a} + base + RPG * dv + j, 1);
+%     endif
+%   endfor
+                }
+            }
+        }
+% endif
         // Read with the row, not after its sum: a step waits on memory once, not twice.
         const float iv = ok ? inv[${at("inv", "row")}] : 0.0f;
         float s = 0.0f;

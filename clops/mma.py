@@ -116,7 +116,7 @@ def probe(device, context, emulate=False):
             found = (False, "no 32-wide sub-groups to emulate warps with (cl_intel_required_subgroup_size)")
         elif emulate and runtime.faulty_pocl(device) == "5":
             found = (False, "PoCL 5.x's compiler aborts on the emulated sub-group kernels (README: known limitations)")
-        elif not emulate and "NVIDIA" not in device.platform.name.upper():
+        elif not emulate and not runtime.nvidia(device):
             found = (False, "not an NVIDIA device (the matrix-unit products are NVIDIA PTX)")
         else:
             queue = cl.CommandQueue(context, device)  # its own queue: the caller's may be gated

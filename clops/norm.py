@@ -40,10 +40,12 @@ the row kernels, ``{"d": d}`` for ``rms_norm_dw``:
   ``BWD_DW``) and ``"add_rms_norm_bwd"`` (the same pass reading ``ds`` too; ``ADD_BWD_DW``): ``wg``,
   ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows per step), ``gpc`` groups per compute unit: the
   grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least
-  ``MIN_STEPS`` steps of rows. The heuristics take the row heuristic's layout at float32 (dx then
-  has ``rms_norm_bwd``'s bits) with ``gpc`` 2; at 16-bit storage, rows read twice, with
-  float32's work-items a row (their widened vectors are twice float32's registers) and ``gpc`` 4
-  on a GPU, and ``add_rms_norm_bwd`` there about 16 vectors a work-item and ``gpc`` 8.
+  ``MIN_STEPS`` steps of rows, ``pf`` 2 prefetches each step's next rows into the caches while the
+  step waits on its sum (1: not). The heuristics take the row heuristic's layout at float32 (dx then
+  has ``rms_norm_bwd``'s bits) with ``gpc`` 2; at 16-bit storage float32's work-items a row (their
+  widened vectors are twice float32's registers): on NVIDIA's GPUs rows held and prefetched, ``gpc``
+  4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice, ``gpc`` 4, and ``add_rms_norm_bwd``
+  about 16 vectors a work-item and ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
@@ -56,6 +58,7 @@ import dataclasses
 import numpy as np
 import pyopencl as cl
 
+from . import runtime
 from .args import (F32, FLOATS, check_array, check_queue, events, finite_float, flag, hold, index_scalar, index_type,
                    outputs, scratch, storage, storage_dtype, wrote)
 from .spec import Spec
@@ -103,22 +106,36 @@ def heuristic_dw(dev, sc):
     return {"wg": min(128, wg_cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
 
 
+def _prefetching(dev, sc):
+    """Whether the one-pass backwards' heuristics hold and prefetch rows: 16-bit storage on an NVIDIA GPU,
+    where the prefetch is PTX (an H100, 2026-12-06, bf16 at d = 5120, the rows' layout of 256 work-items:
+    rms_norm_bwd_dw 0.224 ms against 0.235 read twice, add_rms_norm_bwd 0.312 against 0.351 at its
+    read-twice tiles below; held without the prefetch 0.283 and 0.389, read twice with it no faster)."""
+    return sc["st"] != "float" and bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
+
+
 def heuristic_bwd_dw(dev, sc):
     """float32: the row heuristic's layout, rows held, two groups per compute unit. 16-bit storage: about
     4 vectors a work-item (float32's work-items a row: a widened vector is twice float32's registers),
-    rows read twice, four groups per compute unit of a GPU. (H100 sweeps at d = 5120, 2026-12-05: bf16
-    0.235 ms against 0.373 at the row layout held, gpc 4; float32 0.422 against 0.448 at gpc 4.)"""
+    four groups per compute unit of a GPU, rows read twice, or held and prefetched (_prefetching). (H100
+    sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the row layout held, gpc 4;
+    float32 0.422 against 0.448 at gpc 4.)"""
+    if _prefetching(dev, sc):
+        return dict(_rows_layout(dev, sc, 4), rr=1, gpc=4, pf=2)
     if sc["st"] != "float":
-        return dict(_rows_layout(dev, sc, 4), rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2)
-    return dict(heuristic_rows(dev, sc), gpc=2)
+        return dict(_rows_layout(dev, sc, 4), rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2, pf=1)
+    return dict(heuristic_rows(dev, sc), gpc=2, pf=1)
 
 
 def heuristic_add_bwd_dw(dev, sc):
-    """heuristic_bwd_dw's, but at 16-bit storage on a GPU about 16 vectors a work-item and eight groups per
-    compute unit: the pass that reads ds too. (H100 sweep at d = 5120, bf16, 2026-12-05: 0.358 ms at
-    wg 64, gpc 8 against 0.404 at rms_norm_bwd_dw's layout.)"""
+    """heuristic_bwd_dw's, but eight groups per compute unit of an NVIDIA GPU at 16-bit storage, and on
+    other GPUs there about 16 vectors a work-item, rows read twice, eight groups per compute unit: the
+    pass that reads ds too. (H100 sweep at d = 5120, bf16, 2026-12-05: 0.358 ms at wg 64, gpc 8 against
+    0.404 at rms_norm_bwd_dw's layout.)"""
+    if _prefetching(dev, sc):
+        return dict(heuristic_bwd_dw(dev, sc), gpc=8)
     if sc["st"] != "float" and dev.type & cl.device_type.GPU:
-        return dict(_rows_layout(dev, sc, 16), rr=2, gpc=8)
+        return dict(_rows_layout(dev, sc, 16), rr=2, gpc=8, pf=1)
     return heuristic_bwd_dw(dev, sc)
 
 
@@ -155,15 +172,15 @@ ROWS = Spec(
         "rr reads of a row (1 held in registers, 2 read twice)")
 
 BWD_DW = Spec(
-    "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "rr", "gpc"),
+    "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "rr", "gpc", "pf"),
     lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "rr": [1, 2],
-                "gpc": [1, 2, 4, 8]},
-    heuristic_bwd_dw, rules=_row_rules,
+                "gpc": [1, 2, 4, 8], "pf": [1, 2]},
+    heuristic_bwd_dw, rules=lambda p, sc: (*_row_rules(p, sc), (p["pf"] in (1, 2), "pf must be 1 or 2")),
     # the row sums' scratch, and the segments' partial sums when a group takes several rows a step
     local_bytes=lambda p, sc: 4 * p["wg"] * (1 + (vector_width(p["vw"], sc["d"]) if p["rpg"] > 1 else 0)),
     render=_render_bwd_dw,
     doc="rms_norm_bwd with dw (one pass): wg work-items per group, vw vector width, rpg rows per step, rr "
-        "reads of a row, gpc groups per compute unit")
+        "reads of a row, gpc groups per compute unit, pf 2 the next step's rows prefetched (1 not)")
 ADD_BWD_DW = dataclasses.replace(BWD_DW, op="add_rms_norm_bwd", heuristic=heuristic_add_bwd_dw,
                                  doc="add_rms_norm_bwd (one pass): the parameters of rms_norm_bwd_dw")
 _ONE_PASS = {"rms_norm_bwd_dw": BWD_DW, "add_rms_norm_bwd": ADD_BWD_DW}  # kernel name: its spec
@@ -291,7 +308,7 @@ def _bwd_dw_plan(queue, name, n, d, st, wst):
     sc, spec = {"d": d, "st": st}, _ONE_PASS[name]
     p = spec.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)
-    _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst)
+    _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst, ptx=int(runtime.nvidia(queue.device)))
     groups, per_group = bwd_dw_groups(queue.device, p, n)
     itype = index_scalar(idx)
     return knl[name], groups, [itype(n), np.uint32(d // p["vw"]), np.float32(d)], itype(per_group)

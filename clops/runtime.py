@@ -211,6 +211,11 @@ QUARANTINED = _preloaded("pocl_free_quarantine")
 QUARANTINE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pocl_free_quarantine.c")
 
 
+def nvidia(dev):
+    """Whether ``dev`` is on NVIDIA's OpenCL platform, whose compiler takes inline PTX (``asm``)."""
+    return "NVIDIA" in dev.platform.name.upper()
+
+
 def faulty_pocl(dev):
     """The major version, "5" or "6", where ``dev`` is on PoCL 5.x or 6.x, whose kernel compiler builds kernels that use
     barriers wrong at random (README: known limitations; tools/pocl_vua_repro.py); else None."""

@@ -132,8 +132,8 @@ def test_in_place_residual(queue):
     for n, d, rows in [(9, 300, None), (5, 4097, dict(wg=32, vw=1, rpg=1, rr=1))]:
         if rows:
             norm_override("rms_norm", d, rows)
-            norm_override("rms_norm_bwd_dw", d, dict(rows, gpc=2))
-            norm_override("add_rms_norm_bwd", d, dict(rows, gpc=2))
+            norm_override("rms_norm_bwd_dw", d, dict(rows, gpc=2, pf=1))
+            norm_override("add_rms_norm_bwd", d, dict(rows, gpc=2, pf=1))
         a, w, b, ds = _data(n, d, np.float32, np.float32)
         A, B, W, DS, DY = to_device(queue, a, b, w, ds, rnd((n, d), 7))
         s, y, inv = (t.get() for t in clops.add_rms_norm(queue, A, B, W))
@@ -148,11 +148,11 @@ def test_in_place_residual(queue):
 
 
 LAYOUTS = [
-    (4097, dict(wg=32, vw=1, rpg=1, rr=1, gpc=1)),  # 129 vectors per work-item: rows read twice
-    (5120, dict(wg=64, vw=8, rpg=2, rr=2, gpc=3)),  # two rows a step: the segments' sums combined; read twice
-    (6, dict(wg=64, vw=4, rpg=16, rr=1, gpc=8)),  # vw capped to 2 (divides 6)
-    (129, dict(wg=24, vw=2, rpg=3, rr=1, gpc=2)),  # groups not a power of two
-    (1, dict(wg=8, vw=1, rpg=4, rr=1, gpc=1)),    # one column: the backward's own formula
+    (4097, dict(wg=32, vw=1, rpg=1, rr=1, gpc=1, pf=2)),  # 129 vectors per work-item: rows read twice
+    (5120, dict(wg=64, vw=8, rpg=2, rr=2, gpc=3, pf=1)),  # two rows a step: the segments' sums combined; read twice
+    (6, dict(wg=64, vw=4, rpg=16, rr=1, gpc=8, pf=1)),  # vw capped to 2 (divides 6)
+    (129, dict(wg=24, vw=2, rpg=3, rr=1, gpc=2, pf=2)),  # groups not a power of two; the next rows prefetched
+    (1, dict(wg=8, vw=1, rpg=4, rr=1, gpc=1, pf=1)),    # one column: the backward's own formula
 ]
 F32, BF16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
 
@@ -238,11 +238,19 @@ def test_dtypes_and_overlaps_are_checked(queue):
 
 
 def test_one_pass_heuristics_on_a_gpu():
-    """At 16-bit storage on a GPU the pass that reads ds spreads a row over fewer work-items (about 16
-    vectors each) in eight groups a compute unit, rms_norm_bwd's with dw over float32's in four; float32
-    takes the same layout for both."""
-    gpu = types.SimpleNamespace(type=cl.device_type.GPU, max_work_group_size=1024)
+    """At 16-bit storage on an NVIDIA GPU both passes hold and prefetch rows over float32's work-items,
+    the one that reads ds in eight groups a compute unit, rms_norm_bwd's with dw in four; on another
+    GPU they read rows twice, the pass that reads ds over fewer work-items (about 16 vectors each).
+    float32 takes the same layout for both, without the prefetch."""
+    def gpu(platform):
+        return types.SimpleNamespace(type=cl.device_type.GPU, max_work_group_size=1024,
+                                     platform=types.SimpleNamespace(name=platform))
+    nvidia, other = gpu("NVIDIA CUDA"), gpu("AMD Accelerated Parallel Processing")
     bf16, f32 = {"d": 5120, "st": "bf16"}, {"d": 5120, "st": "float"}
-    assert norm.ADD_BWD_DW.heuristic(gpu, bf16) == {"wg": 64, "vw": 8, "rpg": 1, "rr": 2, "gpc": 8}
-    assert norm.BWD_DW.heuristic(gpu, bf16) == {"wg": 256, "vw": 8, "rpg": 1, "rr": 2, "gpc": 4}
-    assert norm.ADD_BWD_DW.heuristic(gpu, f32) == norm.BWD_DW.heuristic(gpu, f32)
+    assert norm.ADD_BWD_DW.heuristic(nvidia, bf16) == {"wg": 256, "vw": 8, "rpg": 1, "rr": 1, "gpc": 8, "pf": 2}
+    assert norm.BWD_DW.heuristic(nvidia, bf16) == {"wg": 256, "vw": 8, "rpg": 1, "rr": 1, "gpc": 4, "pf": 2}
+    assert norm.ADD_BWD_DW.heuristic(other, bf16) == {"wg": 64, "vw": 8, "rpg": 1, "rr": 2, "gpc": 8, "pf": 1}
+    assert norm.BWD_DW.heuristic(other, bf16) == {"wg": 256, "vw": 8, "rpg": 1, "rr": 2, "gpc": 4, "pf": 1}
+    for dev in (nvidia, other):
+        assert norm.ADD_BWD_DW.heuristic(dev, f32) == norm.BWD_DW.heuristic(dev, f32)
+        assert norm.BWD_DW.heuristic(dev, f32)["pf"] == 1

@@ -118,7 +118,7 @@ def test_rr_picks_whether_rows_are_held():
     """rr 1 holds a work-item's share of a row in registers (up to MAX_CACHED vectors), rr 2 reads it twice."""
     sc = {"d": 512, "st": "bf16"}
     for spec in (norm.ROWS, norm.BWD_DW):
-        p = dict(wg=64, vw=8, rpg=1, rr=1, **({"gpc": 2} if spec is norm.BWD_DW else {}))
+        p = dict(wg=64, vw=8, rpg=1, rr=1, **({"gpc": 2, "pf": 1} if spec is norm.BWD_DW else {}))
         assert spec.render(p, sc)["cache"] and not spec.render(dict(p, rr=2), sc)["cache"]
         assert not spec.render(dict(p, vw=1, wg=8), {"d": 8 * (norm.MAX_CACHED + 1), "st": "bf16"})["cache"]
 

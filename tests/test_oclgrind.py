@@ -111,8 +111,8 @@ def run_norm(queue):
         x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
         norm_override("rms_norm", d, rows)
         norm_override("rms_norm_dw", d, dw)
-        norm_override("rms_norm_bwd_dw", d, None if rows is None else dict(rows, gpc=1))
-        norm_override("add_rms_norm_bwd", d, None if rows is None else dict(rows, gpc=1))
+        norm_override("rms_norm_bwd_dw", d, None if rows is None else dict(rows, gpc=1, pf=2))
+        norm_override("add_rms_norm_bwd", d, None if rows is None else dict(rows, gpc=1, pf=2))
         for gemma in (False, True):
             (y, inv), (wy, winv) = clops.rms_norm(queue, x_, w_, gemma=gemma), ref.rms_norm(x, w, gemma=gemma)
             _expect("rms_norm y", y, wy)
