@@ -613,8 +613,11 @@ def ds_tile_floats(call, product):
 
 # On the matrix units, recomputing S and dP in the dQ pass costs two products of hd each, while the
 # stored dS costs the same bytes at every hd: on an H100 at bf16, storing took fwd + bwd from 155 to
-# 183 TFLOP/s at hd 256, tied at hd 128 (178) and lost at hd 64 (124 against 137).
-MMA_STORE_DS_MIN_HD = 256
+# 183 TFLOP/s at hd 256 and lost at hd 64 (124 against 137). At hd 128 the H200 gains by it (2026-12-06,
+# stored against recomputed: causal 188.4 against 179.6, softcap 178.1 / 169.7, varlen 185.7 / 183.6,
+# non-causal 208.7 / 204.9) and the H100 is within 3 % either way (182.0 / 181.5, 171.0 / 169.8,
+# 177.8 / 183.2, 203.3 / 206.7).
+MMA_STORE_DS_MIN_HD = 128
 
 
 def store_ds_default(dev, scratch_bytes):
@@ -719,7 +722,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     and dQ is computed from it; False, the dQ pass recomputes it (no scratch, more arithmetic);
     None (default): on the portable kernels, stored when the scratch takes at most an eighth
     of the device's global memory and fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE); on the
-    matrix units, the same but only from hd 256 (MMA_STORE_DS_MIN_HD), recomputed below. The scratch: portable,
+    matrix units, the same but only from hd 128 (MMA_STORE_DS_MIN_HD), recomputed below. The scratch: portable,
     causal over equal windows ``4·windows·nh·window·(window + 1)/2`` bytes, otherwise
     ``4·n·nh·R``, R the longest row of keys a query sees (the sliding window W causal, 2W − 1
     not, else the window or max_seqlen); matrix units, tiles of 16×16 elements (2 bytes at

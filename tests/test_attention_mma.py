@@ -17,7 +17,7 @@ import pyopencl as cl
 import pytest
 
 import clops
-from clops import mma, program, reference as ref, tuning
+from clops import attn, mma, program, reference as ref, tuning
 from clops.attn import BWD_MMA, FWD_MMA
 from helpers import assert_storage_close, to_device
 from test_attention import LSE_TOL, O_TOL
@@ -181,10 +181,10 @@ def store_ds(request):
     return request.param
 
 
-@pytest.mark.parametrize("store_ds, hd", [(True, 32), (False, 32), (None, 32), (None, 256)],
-                         ids=["ds-stored", "ds-recomputed", "default", "default-hd256"])
+@pytest.mark.parametrize("store_ds, hd", [(True, 32), (False, 32), (None, 32), (None, 128)],
+                         ids=["ds-stored", "ds-recomputed", "default", "default-hd128"])
 def test_store_ds_picks_the_passes(queue, product, store_ds, hd):
-    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default below hd 256): dQ
+    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default below hd 128): dQ
     (storing D), then dK/dV. (hd 32: test_backward_windows_one_kv_head's kernels, causal.)"""
     q, k, v, do = (ref.rnd(shape, seed).astype(BF16) for shape, seed in (((34, 2, hd), 1), ((34, 1, hd), 2),
                                                                          ((34, 1, hd), 3), ((34, 2, hd), 4)))
@@ -192,7 +192,7 @@ def test_store_ds_picks_the_passes(queue, product, store_ds, hd):
     with clops.profile(queue) as prof:
         clops.attention_bwd(queue, *to_device(queue, q, k, v, o.astype(BF16), lse.astype(np.float32), do), window=17,
                             store_ds=store_ds)
-    stored = store_ds or (store_ds is None and hd >= 256)
+    stored = store_ds or (store_ds is None and hd >= attn.MMA_STORE_DS_MIN_HD)
     passes = ["attn_bwd_dsum", "attn_bwd_dkv", "attn_bwd_dqs"] if stored else ["attn_bwd_dq", "attn_bwd_dkv"]
     assert [r.name for r in prof.launches] == passes
 
@@ -333,7 +333,7 @@ def test_info_names_the_attention_path(capsys):
         kernels = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
         assert fwd.split(": ", 1)[1].startswith(kernels)
         assert bwd.split(": ", 1)[1].startswith(kernels + (", dS stored where its scratch fits" if product is None
-                                                           else ", dS stored from hd 256"))
+                                                           else f", dS stored from hd {attn.MMA_STORE_DS_MIN_HD}"))
 
 
 def test_two_buffers_where_they_fit():
