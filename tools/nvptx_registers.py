@@ -28,13 +28,14 @@ from clops.tune import _value
 
 # An H200 as the heuristics see it (clops info on the H200: 132 compute units, 48 KiB of local memory)
 H200 = types.SimpleNamespace(type=cl.device_type.GPU, vendor="NVIDIA Corporation", name="NVIDIA H200",
+                             platform=types.SimpleNamespace(name="NVIDIA CUDA"),
                              max_compute_units=132, local_mem_size=49152, max_work_group_size=1024)
 VARIANT = {"causal": 1, "sliding": 0, "softcap": 0, "varlen": 0}  # the attention drivers' flags
 FAMILIES = {  # name: (spec, the render extras every build of it takes besides idx and checked)
     "attention_fwd_mma": (attn.FWD_MMA, dict(VARIANT, emulate=0, fuse=1)),
     **{spec.op: (spec, dict(VARIANT, emulate=0, store_ds=0)) for spec in attn.BWD_MMA.values()},
     "rms_norm": (norm.ROWS, {"wst": "float"}),
-    "rms_norm_bwd_dw": (norm.BWD_DW, {"wst": "float"}),
+    "rms_norm_bwd_dw": (norm.BWD_DW, {"wst": "float", "ptx": 1}),  # its prefetch as NVIDIA's builds take it
 }
 
 
