@@ -25,8 +25,7 @@ bfloat16; math and sums are float32, each stored value rounded once to nearest e
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
 
 Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW``, ``ADD_BWD_DW`` and ``DW``), shape class
-``{"d": d, "st": st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``) for
-the row kernels, ``{"d": d}`` for ``rms_norm_dw``:
+``{"d": d, "st": st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``):
 
 - op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
   ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
@@ -103,7 +102,12 @@ def _rows_layout(dev, sc, vectors):
 
 
 def heuristic_dw(dev, sc):
-    return {"wg": min(128, wg_cap(dev)), "vw": vector_width(4, sc["d"]), "rb": 64}
+    """Vectors of 16 bytes (vw 4 at float32, 8 at 16-bit storage); 64 rows a partial block, 32 at 16 bits
+    (an H100, 2026-12-06, bf16 at d = 5120: the sweep's best, 0.136 ms, 0.141 at 64 rows; the bench gives
+    it float32's time at these tiles, 0.134-0.136 ms against 0.135)."""
+    st = sc["st"]
+    return {"wg": min(128, wg_cap(dev)), "vw": vector_width(16 // storage_dtype(st).itemsize, sc["d"]),
+            "rb": 64 if st == "float" else 32}
 
 
 def _prefetching(dev, sc):
@@ -339,7 +343,7 @@ def _column_plan(queue, rows, cols, dwst):
     """(kernel, grid, scalar arguments before the accumulate flag) of a column sum of ``rows`` partial
     rows: into ``dw`` (of storage type ``dwst``), or with ``dwst`` None, chunks of CHUNK rows into a
     float32 scratch of ``-(-rows // CHUNK)`` rows."""
-    sc = {"d": cols}
+    sc = {"d": cols, "st": "float"}  # the partial sums' class (the column sum takes no parameter of it)
     p = DW.params(queue.device, sc)
     idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
     _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=dwst or "float")
@@ -367,7 +371,7 @@ def column_sum(queue, partial, rows, cols, dw, accumulate, wait_for=None, alloca
 
 
 def _dw_plan(queue, n, d, st):
-    sc = {"d": d}
+    sc = {"d": d, "st": st}
     p = DW.params(queue.device, sc)
     idx = index_type((n + p["rb"]) * d + p["wg"] * p["vw"])
     _, knl = DW.kernels(queue, sc, idx=idx, st=st, dwst="float")

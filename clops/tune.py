@@ -166,12 +166,12 @@ def _rms_norm(queue, sc, pb):
 
 def _rms_norm_dw(queue, sc, pb):
     d, n = sc["d"], pb["rows"]
-    (x, w, dy), (dx_, _, ddy) = _norm_data(queue, pb, d)
-    _, inv = ref.rms_norm(x, w)
-    (dinv,) = _upload(queue, inv.astype(np.float32))
+    (x, w, dy), (dx_, _, ddy) = _norm_data(queue, pb, d, sc["st"])
+    inv = ref.rms_norm(x, w)[1].astype(np.float32)
+    (dinv,) = _upload(queue, inv)
     pool = _pool(queue)
     return Case(lambda: (clops.rms_norm_dw(queue, dx_, dinv, ddy, allocator=pool),),
-                lambda: (ref.rms_norm_dw(x, inv.astype(np.float32), dy),), (BWD,), "GB/s", _nbytes((n, d), (n,), (n, d), (d,)))
+                lambda: (ref.rms_norm_dw(x, inv, dy),), (BWD,), "GB/s", 2 * x.nbytes + _nbytes((n,), (d,)))
 
 
 def _one_pass(resid, queue, sc, pb):
@@ -400,7 +400,8 @@ FAMILIES = {
         _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
     "rms_norm": Family(norm.ROWS, {"d": 5120, "st": "float"}, _norm_rows, _rms_norm,
                        "rms_norm + rms_norm_bwd on [rows, d] of storage st (float, half, bf16)"),
-    "rms_norm_dw": Family(norm.DW, {"d": 5120}, _norm_rows, _rms_norm_dw, "rms_norm_dw on [rows, d]"),
+    "rms_norm_dw": Family(norm.DW, {"d": 5120, "st": "float"}, _norm_rows, _rms_norm_dw,
+                          "rms_norm_dw on [rows, d] of storage st"),
     "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"}, _norm_rows, functools.partial(_one_pass, False),
                               "rms_norm_bwd(want_dw=True) on [rows, d] of storage st: dx and dw in one pass"),
     "add_rms_norm_bwd": Family(norm.ADD_BWD_DW, {"d": 5120, "st": "float"}, _norm_rows,
@@ -613,11 +614,12 @@ def _names(head, results):
 
 
 def current_params(head, results, current):
-    """The parameters the op used without an override: ``current``'s configuration, read from its last
-    launch of a kernel that takes them all (not, say, the column sum a one-pass backward ends with)."""
+    """The parameters the op used without an override: ``current``'s configuration, read from its first
+    launch of a kernel that takes them all (not, say, the column sum a gain gradient ends with, which
+    rms_norm_dw's spec renders at float32)."""
     names = _names(head, results)
     own = [used for used in current.get("used", {}).values() if all(k in used for k in names)]
-    return {k: own[-1][k] for k in names} if own else {}
+    return {k: own[0][k] for k in names} if own else {}
 
 
 def comparison(head, results, current):

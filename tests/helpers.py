@@ -45,10 +45,5 @@ def storage_override(op, sc, params):
 
 
 def norm_override(op, d, params):
-    """``storage_override`` of norm family ``op`` at width ``d``; rms_norm_dw's class has no storage type."""
-    if op == "rms_norm_dw":
-        from clops import tuning
-
-        tuning.override(op, {"d": d}, params)
-    else:
-        storage_override(op, {"d": d}, params)
+    """``storage_override`` of norm family ``op`` at width ``d``."""
+    storage_override(op, {"d": d}, params)

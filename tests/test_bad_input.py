@@ -304,7 +304,7 @@ LIMITS = [
     ("add", "elementwise", {}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "ept": 1}, "work-items"),
     ("rms_norm", "rms_norm", {"d": D, "st": "float"},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1, "rr": 1}, "work-items"),
-    ("rms_norm_dw", "rms_norm_dw", {"d": D}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
+    ("rms_norm_dw", "rms_norm_dw", {"d": D, "st": "float"}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
      "work-items"),
     ("qk_norm_rope", "qk_norm_rope", {"hd": QD, "st": "float"},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "upg": 1, "gpc": 1}, "work-items"),

@@ -93,8 +93,8 @@ def test_tune_without_an_op_says_why(capsys):
 
 def test_tune_refuses_a_shape_class_key_the_op_never_reads(capsys):
     # its entries would be saved under a key the op never looks up, and each configuration timed would be the op's own
-    assert tune.main(["rms_norm_dw", "--class", "st=bf16"]) == 2
-    assert "--class st: rms_norm_dw's shape class has no 'st' (it has d)" in capsys.readouterr().err
+    assert tune.main(["attention_fwd", "--class", "st=bf16"]) == 2
+    assert "--class st: attention_fwd's shape class has no 'st' (it has hd)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["bench", "--help"], ["tune", "--help"]])

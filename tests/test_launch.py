@@ -298,7 +298,7 @@ LOCAL = [
     (loss.BWD, {"st": "bf16"}, {"idx": "uint", "cap": 1}, [{"wg": 5, "ept": 3}]),
     (embed.SPEC, {}, {"idx": "uint", "count": 1}, [{"wg": 8}]),
     (optim.SPEC, {}, {"idx": "uint"}, []),
-    (norm.DW, {"d": 96}, {"idx": "uint"}, []),
+    (norm.DW, {"d": 96, "st": "float"}, {"idx": "uint"}, []),
 ]
 
 

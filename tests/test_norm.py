@@ -88,7 +88,7 @@ def test_row_tiles_are_chosen_per_storage_type(queue):
     """The row families' shape class carries the activations' storage: an override at bfloat16 is not
     float32's, and the heuristic loads 16 bytes a vector at each (vw 8 at 16 bits, 4 at float32)."""
     d = 64
-    for spec in (norm.ROWS, norm.BWD_DW, norm.ADD_BWD_DW):
+    for spec in (norm.ROWS, norm.BWD_DW, norm.ADD_BWD_DW, norm.DW):
         assert [spec.resolve(queue.device, {"d": 5120, "st": st})[0]["vw"] for st in ("float", "half", "bf16")] == [4, 8, 8]
     x = rnd((4, d), 1)
     X, W, XB = to_device(queue, x, rnd(d, 2), x.astype(ml_dtypes.bfloat16))

@@ -116,13 +116,15 @@ def test_family_cases_match_the_reference(queue, name):
 @pytest.mark.parametrize("st, size", [("float", 4), ("bf16", 2)])
 def test_norm_cases_count_the_bytes_moved(queue, st, size):
     """The GB/s of the norm sweeps: rows of x, y (forward) and x, dy, dx (backward) of the storage type,
-    float32 gain and inv each pass; the one-pass backward x, dy, dx (and ds), then w, inv and dw; qk_norm_rope
-    its rows the same way, with dw too."""
+    float32 gain and inv each pass; rms_norm_dw x, dy, then inv and dw; the one-pass backward x, dy, dx
+    (and ds), then w, inv and dw; qk_norm_rope its rows the same way, with dw too."""
     n, d = 8, 96
     rows = tune.FAMILIES["rms_norm"].prepare(queue, {"d": d, "st": st}, {"rows": n})
+    dw = tune.FAMILIES["rms_norm_dw"].prepare(queue, {"d": d, "st": st}, {"rows": n})
     one_pass = tune.FAMILIES["rms_norm_bwd_dw"].prepare(queue, {"d": d, "st": st}, {"rows": n})
     add_bwd = tune.FAMILIES["add_rms_norm_bwd"].prepare(queue, {"d": d, "st": st}, {"rows": n})
     assert rows.work == 5 * n * d * size + 2 * 4 * (d + n)
+    assert dw.work == 2 * n * d * size + 4 * (n + d)  # x, dy; inv, dw
     assert one_pass.work == 3 * n * d * size + 4 * (2 * d + n)
     assert add_bwd.work == 4 * n * d * size + 4 * (2 * d + n)  # ds read too
     heads, hd = 2, 48  # qk_norm_rope: x, y, then x, dy, dx of the storage type; w, inv, then w, inv, dw float32
