@@ -26,7 +26,8 @@ with a line saying so (:data:`NARROW_OPS` says which ops take 16-bit storage).
 
 ``--peers`` adds PyTorch's figures for the same shapes, at the same dtype, when
 PyTorch with a GPU is importable in this process, and the ratio PyTorch ms /
-clops ms (above 1: clops is faster). ``--json PATH`` writes every figure keyed by op name.
+clops ms (above 1: clops is faster). ``--json PATH`` writes every figure keyed by op name, with
+``kernels_ms``: the device time of each of the op's kernels in one more call.
 ``--small`` uses small shapes, for CPUs.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ import clops
 
 from . import runtime, step, tuning
 from .args import F32
-from .profile import measure
+from .profile import Profile, measure
 from .tune import attention_flops
 
 RUNS, WARMUP = 7, 2
@@ -572,13 +573,16 @@ def run_bench(queue, bench, data, torch, limits, out):
     try:
         fn, work = bench.setup(queue, data)
         ms, times = measure(queue, fn, warmup=WARMUP, runs=RUNS)
+        with Profile(queue) as prof:  # one call more: where an op of several kernels spends its time
+            fn()
+        split = {name: total for name, _, total, _, _ in prof.summary()}
     except (ValueError, RuntimeError, cl.Error) as e:
         rec.update(status="failed", reason=_why(e))
     else:
         fig = _figure(bench.unit, work, ms)
         limit = limits["copy_GBps"] if bench.unit == "GB/s" else limits["fp32_peak_TFLOPs"]
         rec.update(status="ok", ms=ms, times_ms=times, work=work, figure=fig,
-                   fraction=None if limit is None else fig / limit)
+                   fraction=None if limit is None else fig / limit, kernels_ms=split)
     if torch is not None and bench.peers:
         rec["peers"] = {}
         for label, make in bench.peers:

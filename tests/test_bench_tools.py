@@ -47,6 +47,9 @@ def test_bench_small_json(queue, tmp_path):
     for name, rec in data["ops"].items():
         assert rec["status"] == "ok" and rec["ms"] > 0 and rec["figure"] > 0 and len(rec["times_ms"]) >= 7, rec
     assert data["ops"]["swiglu_bwd"]["work"] == 5 * 4 * 256 * 3 * 512  # a, b, dc read; da, db written
+    # each op's kernels, the device time of one call: the gain gradient's two stages apart
+    assert set(data["ops"]["rms_norm_dw"]["kernels_ms"]) == {"rms_norm_dw_partial", "column_sum"}
+    assert all(t > 0 for rec in data["ops"].values() for t in rec["kernels_ms"].values())
     text = "\n".join(lines)
     assert "copy bandwidth" in text and "swiglu_bwd" in text and "GB/s" in text and "TFLOP/s" in text
     assert "peers:" in text  # PyTorch's state is said, whether or not it is there
