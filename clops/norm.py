@@ -103,8 +103,8 @@ def _rows_layout(dev, sc, vectors):
 
 def heuristic_dw(dev, sc):
     """Vectors of 16 bytes (vw 4 at float32, 8 at 16-bit storage); 64 rows a partial block, 32 at 16 bits
-    (an H100, 2026-12-06, bf16 at d = 5120: the sweep's best, 0.136 ms, 0.141 at 64 rows; the bench gives
-    it float32's time at these tiles, 0.134-0.136 ms against 0.135)."""
+    (an H100, 2026-12-06, bf16 at d = 5120: the sweep's best, 0.136 ms, 0.141 at 64 rows; in the bench
+    as fast as float32's tiles, vw 4 and 64 rows, were at bf16: 0.134-0.136 ms against 0.135)."""
     st = sc["st"]
     return {"wg": min(128, wg_cap(dev)), "vw": vector_width(16 // storage_dtype(st).itemsize, sc["d"]),
             "rb": 64 if st == "float" else 32}
@@ -343,7 +343,7 @@ def _column_plan(queue, rows, cols, dwst):
     """(kernel, grid, scalar arguments before the accumulate flag) of a column sum of ``rows`` partial
     rows: into ``dw`` (of storage type ``dwst``), or with ``dwst`` None, chunks of CHUNK rows into a
     float32 scratch of ``-(-rows // CHUNK)`` rows."""
-    sc = {"d": cols, "st": "float"}  # the partial sums' class (the column sum takes no parameter of it)
+    sc = {"d": cols, "st": "float"}  # the partial sums are float32; the column sum uses none of the class's tiles
     p = DW.params(queue.device, sc)
     idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
     _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=dwst or "float")
