@@ -24,27 +24,29 @@ Storage: ``x``, ``dy`` and the outputs ``y``, ``dx`` share one dtype (float32, f
 bfloat16; math and sums are float32, each stored value rounded once to nearest even); ``w`` is
 float32 or that dtype; ``inv`` is float32 always, and so is ``rms_norm_dw``'s ``dw``.
 
-Tuning (``clops.tuning``; the specs ``ROWS``, ``BWD_DW``, ``ADD_BWD_DW`` and ``DW``), shape class
-``{"d": d, "st": st}`` (``st`` the activations' storage type: ``float``, ``half`` or ``bf16``):
+Tuning (``clops.tuning``; the specs ``ROWS``, ``ROWS_BWD``, ``BWD_DW``, ``ADD_BWD_DW`` and ``DW``),
+shape class ``{"d": d, "st": st}`` (``st`` the activations' storage type: ``float``, ``half`` or
+``bf16``):
 
-- op ``"rms_norm"`` (``rms_norm``, ``rms_norm_bwd`` without ``dw``, ``add_rms_norm``):
+- ops ``"rms_norm"`` (``rms_norm``, ``add_rms_norm``) and ``"rms_norm_bwd"`` (``rms_norm_bwd``
+  without ``dw``; the spec ``ROWS_BWD``):
   ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
   two ≤ ``vw`` that divides ``d`` is used, so rows start on vector boundaries), ``rpg`` rows
   per group (divides ``wg``; a row is shared by ``wg/rpg`` work-items), ``rr`` reads of a row:
   1, held in registers between its sum and its outputs where a work-item's share is at most
   ``MAX_CACHED`` vectors (else read twice); 2, read twice (from the caches: fewer registers, more
-  rows in flight). The heuristic loads 16 bytes a vector (``vw`` 4 at float32, 8 at 16-bit
-  storage) and holds rows (``rr`` 1).
+  rows in flight). The heuristics load 16 bytes a vector (``vw`` 4 at float32, 8 at 16-bit
+  storage) and hold rows (``rr`` 1); at 16-bit storage the backward spreads a row over float32's
+  work-items, as the one-pass backwards do.
 - ops ``"rms_norm_bwd_dw"`` (the one-pass backward: ``rms_norm_bwd`` with ``dw``; the spec
   ``BWD_DW``) and ``"add_rms_norm_bwd"`` (the same pass reading ``ds`` too; ``ADD_BWD_DW``): ``wg``,
   ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows per step), ``gpc`` groups per compute unit: the
   grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least
   ``MIN_STEPS`` steps of rows, ``pf`` 2 prefetches each step's next rows into the caches while the
-  step waits on its sum (1: not). The heuristics take the row heuristic's layout at float32 (dx then
-  has ``rms_norm_bwd``'s bits) with ``gpc`` 2; at 16-bit storage float32's work-items a row (their
-  widened vectors are twice float32's registers): on NVIDIA's GPUs rows held and prefetched, ``gpc``
-  4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice, ``gpc`` 4, and ``add_rms_norm_bwd``
-  about 16 vectors a work-item and ``gpc`` 8.
+  step waits on its sum (1: not). The heuristics take ``rms_norm_bwd``'s layout (dx then has its
+  bits): at float32 with ``gpc`` 2; at 16-bit storage on NVIDIA's GPUs rows held and prefetched,
+  ``gpc`` 4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice, ``gpc`` 4, and
+  ``add_rms_norm_bwd`` about 16 vectors a work-item and ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
@@ -118,17 +120,25 @@ def _prefetching(dev, sc):
     return sc["st"] != "float" and bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
 
 
+def heuristic_rows_bwd(dev, sc):
+    """rms_norm_bwd: the row heuristic's layout at float32; at 16-bit storage float32's work-items a row,
+    about 4 vectors each (a widened vector is twice float32's registers), as the one-pass backwards take.
+    (An H100, 2026-12-06, bf16 at d = 5120, alternating: 0.180 / 0.181 ms against 0.189 / 0.189 at the
+    forward's 8 vectors a work-item, which keeps them: 0.120 / 0.125 there against 0.138 / 0.137.)"""
+    return heuristic_rows(dev, sc) if sc["st"] == "float" else _rows_layout(dev, sc, 4)
+
+
 def heuristic_bwd_dw(dev, sc):
-    """float32: the row heuristic's layout, rows held, two groups per compute unit. 16-bit storage: about
-    4 vectors a work-item (float32's work-items a row: a widened vector is twice float32's registers),
-    four groups per compute unit of a GPU, rows read twice, or held and prefetched (_prefetching). (H100
-    sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the row layout held, gpc 4;
-    float32 0.422 against 0.448 at gpc 4.)"""
+    """rms_norm_bwd's layout (dx then has its bits). float32: rows held, two groups per compute unit.
+    16-bit storage: four groups per compute unit of a GPU, rows read twice, or held and prefetched
+    (_prefetching). (H100 sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the
+    forward's layout held, gpc 4; float32 0.422 against 0.448 at gpc 4.)"""
+    p = heuristic_rows_bwd(dev, sc)
+    if sc["st"] == "float":
+        return dict(p, gpc=2, pf=1)
     if _prefetching(dev, sc):
-        return dict(_rows_layout(dev, sc, 4), rr=1, gpc=4, pf=2)
-    if sc["st"] != "float":
-        return dict(_rows_layout(dev, sc, 4), rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2, pf=1)
-    return dict(heuristic_rows(dev, sc), gpc=2, pf=1)
+        return dict(p, rr=1, gpc=4, pf=2)
+    return dict(p, rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2, pf=1)
 
 
 def heuristic_add_bwd_dw(dev, sc):
@@ -172,9 +182,11 @@ ROWS = Spec(
     lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8], "rr": [1, 2]},
     heuristic_rows, rules=_row_rules,
     local_bytes=lambda p, sc: 4 * p["wg"], render=_render_rows,
-    doc="rms_norm, rms_norm_bwd and add_rms_norm: wg work-items per group, vw vector width, rpg rows per group, "
+    doc="rms_norm and add_rms_norm: wg work-items per group, vw vector width, rpg rows per group, "
         "rr reads of a row (1 held in registers, 2 read twice)")
 
+ROWS_BWD = dataclasses.replace(ROWS, op="rms_norm_bwd", heuristic=heuristic_rows_bwd,
+                               doc="rms_norm_bwd without dw: the parameters of rms_norm")
 BWD_DW = Spec(
     "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "rr", "gpc", "pf"),
     lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "rr": [1, 2],
@@ -236,18 +248,19 @@ def check_gain(name, w, queue, x, shape):
     return check_array(name, w, queue, shape=shape, dtype=(x.dtype, F32) if x.dtype != F32 else F32)
 
 
-def _row_plan(queue, name, n, d, st, wst):
+def _row_plan(queue, spec, name, n, d, st, wst):
     sc = {"d": d, "st": st}
-    p = ROWS.params(queue.device, sc)
+    p = spec.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
-    _, knl = ROWS.kernels(queue, sc, idx=idx, st=st, wst=wst)
+    _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst)
     sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
     return knl[name], (-(-n // p["rpg"]),), sizes
 
 
 def _row_kernel(queue, name, n, d, st="float", wst="float"):
     """(kernel, grid, size arguments) of row kernel ``name``: one memo lookup when warm."""
-    return ROWS.plan(queue, (name, n, d, st, wst), _row_plan, name, n, d, st, wst)
+    spec = ROWS_BWD if name == "rms_norm_bwd" else ROWS
+    return spec.plan(queue, (name, n, d, st, wst), _row_plan, spec, name, n, d, st, wst)
 
 
 def rms_norm(queue, x, w, *, eps=1e-6, gemma=False, out=None, inv=None, wait_for=None, allocator=None):

@@ -146,22 +146,24 @@ def _norm_data(queue, pb, d, st="float"):
 
 
 def _rms_norm(queue, sc, pb):
-    """rms_norm + rms_norm_bwd, x and dy of storage ``sc["st"]``; the work counted is the bytes moved."""
+    """rms_norm, x of storage ``sc["st"]``; the work counted is the bytes moved."""
+    d, st = sc["d"], sc["st"]
+    (x, w, _), (dx_, dw_, _) = _norm_data(queue, pb, d, st)
+    pool = _pool(queue)
+    return Case(lambda: clops.rms_norm(queue, dx_, dw_, allocator=pool), lambda: ref.rms_norm(x, w),
+                (_storage_tol(st, FWD), FWD), "GB/s", 2 * x.nbytes + _nbytes((d,), (pb["rows"],)))  # x, y; w, inv
+
+
+def _rms_norm_bwd(queue, sc, pb):
+    """rms_norm_bwd without the gain gradient, x and dy of storage ``sc["st"]``."""
     d, st = sc["d"], sc["st"]
     (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
+    inv = ref.rms_norm(x, w)[1].astype(np.float32)
+    (dinv,) = _upload(queue, inv)
     pool = _pool(queue)
-
-    def call():
-        y_, inv_ = clops.rms_norm(queue, dx_, dw_, allocator=pool)
-        return y_, inv_, clops.rms_norm_bwd(queue, dx_, dw_, inv_, ddy, allocator=pool)
-
-    def reference():
-        y, inv = ref.rms_norm(x, w)
-        return y, inv, ref.rms_norm_bwd(x, w, inv, dy)
-
-    n = pb["rows"]
-    work = 5 * x.nbytes + 2 * _nbytes((d,), (n,))  # x, y; x, dy, dx; w and inv each time
-    return Case(call, reference, (_storage_tol(st, FWD), FWD, _storage_tol(st, BWD)), "GB/s", work)
+    return Case(lambda: (clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, allocator=pool),),
+                lambda: (ref.rms_norm_bwd(x, w, inv, dy),), (_storage_tol(st, BWD),), "GB/s",
+                3 * x.nbytes + _nbytes((d,), (pb["rows"],)))  # x, dy, dx; w, inv
 
 
 def _rms_norm_dw(queue, sc, pb):
@@ -399,7 +401,9 @@ FAMILIES = {
         lambda sc, small: {"rows": 64, "width": 960} if small else {"rows": _TOKENS, "width": 3 * 5120},
         _elementwise, "swiglu + swiglu_bwd on [rows, width]; one parameter set serves every elementwise op"),
     "rms_norm": Family(norm.ROWS, {"d": 5120, "st": "float"}, _norm_rows, _rms_norm,
-                       "rms_norm + rms_norm_bwd on [rows, d] of storage st (float, half, bf16)"),
+                       "rms_norm on [rows, d] of storage st (float, half, bf16); add_rms_norm takes its tiles"),
+    "rms_norm_bwd": Family(norm.ROWS_BWD, {"d": 5120, "st": "float"}, _norm_rows, _rms_norm_bwd,
+                           "rms_norm_bwd without dw on [rows, d] of storage st"),
     "rms_norm_dw": Family(norm.DW, {"d": 5120, "st": "float"}, _norm_rows, _rms_norm_dw,
                           "rms_norm_dw on [rows, d] of storage st"),
     "rms_norm_bwd_dw": Family(norm.BWD_DW, {"d": 5120, "st": "float"}, _norm_rows, functools.partial(_one_pass, False),

@@ -44,6 +44,10 @@ def storage_override(op, sc, params):
         tuning.override(op, dict(sc, st=st), params)
 
 
-def norm_override(op, d, params):
-    """``storage_override`` of norm family ``op`` at width ``d``."""
-    storage_override(op, {"d": d}, params)
+ROW_OPS = ("rms_norm", "rms_norm_bwd")  # the row norms' two specs (forward and add; backward without dw)
+
+
+def norm_override(ops, d, params):
+    """``storage_override`` of norm family ``ops`` (a name or a tuple of them) at width ``d``."""
+    for op in (ops,) if isinstance(ops, str) else ops:
+        storage_override(op, {"d": d}, params)

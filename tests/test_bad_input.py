@@ -304,6 +304,8 @@ LIMITS = [
     ("add", "elementwise", {}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "ept": 1}, "work-items"),
     ("rms_norm", "rms_norm", {"d": D, "st": "float"},
      lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1, "rr": 1}, "work-items"),
+    ("rms_norm_bwd", "rms_norm_bwd", {"d": D, "st": "float"},
+     lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rpg": 1, "rr": 1}, "work-items"),
     ("rms_norm_dw", "rms_norm_dw", {"d": D, "st": "float"}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
      "work-items"),
     ("qk_norm_rope", "qk_norm_rope", {"hd": QD, "st": "float"},

@@ -272,6 +272,7 @@ def test_stale_tuning_entry_warns_and_takes_the_heuristic(queue, tmp_path, monke
 LOCAL = [
     (norm.ROWS, {"d": 96, "st": "float"}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4, "rr": 1}]),
     (norm.ROWS, {"d": 96, "st": "bf16"}, {"idx": "uint", "st": "bf16"}, []),
+    (norm.ROWS_BWD, {"d": 96, "st": "bf16"}, {"idx": "uint", "st": "bf16"}, []),
     (norm.BWD_DW, {"d": 96, "st": "float"}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4, "rr": 1, "gpc": 2, "pf": 2},
                                                {"wg": 32, "vw": 4, "rpg": 1, "rr": 2, "gpc": 1, "pf": 1}]),
     (qk_rope.SPEC, {"hd": 32, "st": "float"}, {"idx": "uint", "half": 8},

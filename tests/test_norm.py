@@ -21,7 +21,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.program import OutOfBoundsError
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, norm_override, storage_override, to_device
+from helpers import ROW_OPS, assert_storage_close, norm_override, storage_override, to_device
 
 
 def _parity(queue, x, w, dy, gemma, eps=1e-6):
@@ -79,7 +79,7 @@ def test_dw_adds_into_given_and_is_deterministic(queue):
     (129, dict(wg=24, vw=2, rpg=3, rr=2), dict(wg=3, vw=2, rb=5)),  # groups not a power of two; read twice
 ])
 def test_launch_parameters(queue, d, rows, dw):
-    norm_override("rms_norm", d, rows)
+    norm_override(ROW_OPS, d, rows)
     norm_override("rms_norm_dw", d, dw)
     _parity(queue, rnd((37, d), 11, 3.0), rnd(d, 12, 0.5), rnd((37, d), 13, 1.0), True)
 
@@ -88,7 +88,7 @@ def test_row_tiles_are_chosen_per_storage_type(queue):
     """The row families' shape class carries the activations' storage: an override at bfloat16 is not
     float32's, and the heuristic loads 16 bytes a vector at each (vw 8 at 16 bits, 4 at float32)."""
     d = 64
-    for spec in (norm.ROWS, norm.BWD_DW, norm.ADD_BWD_DW, norm.DW):
+    for spec in (norm.ROWS, norm.ROWS_BWD, norm.BWD_DW, norm.ADD_BWD_DW, norm.DW):
         assert [spec.resolve(queue.device, {"d": 5120, "st": st})[0]["vw"] for st in ("float", "half", "bf16")] == [4, 8, 8]
     x = rnd((4, d), 1)
     X, W, XB = to_device(queue, x, rnd(d, 2), x.astype(ml_dtypes.bfloat16))

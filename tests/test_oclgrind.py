@@ -87,7 +87,7 @@ def run_elementwise(queue):
 def run_norm(queue):
     import pyopencl.array as cla
 
-    from helpers import norm_override
+    from helpers import ROW_OPS, norm_override
 
     import clops
     from clops import reference as ref
@@ -109,7 +109,7 @@ def run_norm(queue):
             continue
         x, w, dy = rnd((n, d), 11, 2.0), rnd(d, 12, 0.5), rnd((n, d), 13, 1.0)
         x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
-        norm_override("rms_norm", d, rows)
+        norm_override(ROW_OPS, d, rows)
         norm_override("rms_norm_dw", d, dw)
         norm_override("rms_norm_bwd_dw", d, None if rows is None else dict(rows, gpc=1, pf=2))
         norm_override("add_rms_norm_bwd", d, None if rows is None else dict(rows, gpc=1, pf=2))

@@ -11,7 +11,7 @@ from clops import reference as ref
 from clops import tuning
 from clops.attn import bwd_heuristic
 from clops.reference import rel_err, rnd
-from helpers import assert_storage_close, norm_override, storage_override, to_device
+from helpers import ROW_OPS, assert_storage_close, norm_override, storage_override, to_device
 
 
 def _get(*arrays):
@@ -98,14 +98,14 @@ def test_rms_norm_rows_outside_the_square_range(queue, dtype, d, rows):
     x, w, dy = _extreme_rows((len(SCALES), d), 25, dtype), rnd(d, 26, 0.5), rnd((len(SCALES), d), 27, 4.0).astype(dtype)
     x_, w_, dy_ = to_device(queue, x, w, dy)
     inf_rows = np.arange(len(SCALES)) == INF_INV
-    norm_override("rms_norm", d, rows)
+    norm_override(ROW_OPS, d, rows)
     try:
         y, inv = clops.rms_norm(queue, x_, w_, eps=0.0)
         dx = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0)
         dx1, dw1 = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0, want_dw=True)
         dw = clops.rms_norm_dw(queue, x_, inv, dy_)
     finally:
-        norm_override("rms_norm", d, None)
+        norm_override(ROW_OPS, d, None)
     wy, winv = ref.rms_norm(x, w, eps=0.0)
     _rows_close("y", y, wy, dtype, 1e-6)
     _inv_close(inv, winv, inf_rows)

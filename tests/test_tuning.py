@@ -120,10 +120,12 @@ def test_norm_cases_count_the_bytes_moved(queue, st, size):
     (and ds), then w, inv and dw; qk_norm_rope its rows the same way, with dw too."""
     n, d = 8, 96
     rows = tune.FAMILIES["rms_norm"].prepare(queue, {"d": d, "st": st}, {"rows": n})
+    rows_bwd = tune.FAMILIES["rms_norm_bwd"].prepare(queue, {"d": d, "st": st}, {"rows": n})
     dw = tune.FAMILIES["rms_norm_dw"].prepare(queue, {"d": d, "st": st}, {"rows": n})
     one_pass = tune.FAMILIES["rms_norm_bwd_dw"].prepare(queue, {"d": d, "st": st}, {"rows": n})
     add_bwd = tune.FAMILIES["add_rms_norm_bwd"].prepare(queue, {"d": d, "st": st}, {"rows": n})
-    assert rows.work == 5 * n * d * size + 2 * 4 * (d + n)
+    assert rows.work == 2 * n * d * size + 4 * (d + n)
+    assert rows_bwd.work == 3 * n * d * size + 4 * (d + n)
     assert dw.work == 2 * n * d * size + 4 * (n + d)  # x, dy; inv, dw
     assert one_pass.work == 3 * n * d * size + 4 * (2 * d + n)
     assert add_bwd.work == 4 * n * d * size + 4 * (2 * d + n)  # ds read too

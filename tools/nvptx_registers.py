@@ -35,6 +35,7 @@ FAMILIES = {  # name: (spec, the render extras every build of it takes besides i
     "attention_fwd_mma": (attn.FWD_MMA, dict(VARIANT, emulate=0, fuse=1)),
     **{spec.op: (spec, dict(VARIANT, emulate=0, store_ds=0)) for spec in attn.BWD_MMA.values()},
     "rms_norm": (norm.ROWS, {"wst": "float"}),
+    "rms_norm_bwd": (norm.ROWS_BWD, {"wst": "float"}),
     "rms_norm_bwd_dw": (norm.BWD_DW, {"wst": "float", "ptx": 1}),  # its prefetch as NVIDIA's builds take it
 }
 
