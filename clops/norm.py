@@ -88,9 +88,10 @@ def wg_cap(dev):
 
 def heuristic_rows(dev, sc):
     """Vectors of 16 bytes, about 8 of them per work-item, up to 256 work-items per row; small rows
-    share a group. (At 1024, rms_norm_fwd's registers held the H200's CL_KERNEL_WORK_GROUP_SIZE to
-    256 at d = 4097. At bf16, vw 8 took rms_norm_bwd from 67 % to 76 % of the copy bandwidth on the
-    H200 at d = 5120, and the one-pass backwards' best tiles had it too.)"""
+    share a group. (NVIDIA's driver 580 gives every kernel a CL_KERNEL_WORK_GROUP_SIZE of 256, even one
+    of 10 registers declaring reqd_work_group_size 1024: an H100, 2026-12-06. At bf16, vw 8 took
+    rms_norm_bwd from 67 % to 76 % of the copy bandwidth on the H200 at d = 5120, and the one-pass
+    backwards' best tiles had it too.)"""
     return _rows_layout(dev, sc, 8)
 
 
