@@ -312,6 +312,25 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
 % if kind == "rows_dw":
 ## dx (plus ds with `resid`) of the rows [g·per_group, g·per_group + per_group)
 ## and their gain gradient's partial sums partial[g, :], in one read of x, dy.
+## pf 3: the rows of step row `nrow` (this work-item's vectors, zeros past the group's rows) and their inv
+## into xn, dyn (dsn) and ivn.
+<%def name="load_step(nrow, resid)">\
+        {
+            const idx_t nrow = ${nrow};
+            const bool nok = nrow < last;
+            const idx_t nbase = nrow * dv;
+            ivn = nok ? inv[${at("inv", "nrow")}] : 0.0f;
+            for (uint k = 0; k < CH; ++k) {
+                const uint j = t + k * TPR;
+                const bool live = nok && j < dv;
+                xn[k] = live ? ${loadv(st, vw, "x", "nbase + j")} : (vec)(0.0f);
+                dyn[k] = live ? ${loadv(st, vw, "dy", "nbase + j")} : (vec)(0.0f);
+% if resid:
+                dsn[k] = live ? ${loadv(st, vw, "ds", "nbase + j")} : (vec)(0.0f);
+% endif
+            }
+        }
+</%def>
 <%def name="bwd_dw(name, resid)">
 <%
     gain = "(%s + w_offset)" % loadv(wst, vw, "w", "j")  # w_eff of the work-item's vector j
@@ -341,6 +360,13 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
     for (uint k = 0; k < CH; ++k)
         acc[k] = (vec)(0.0f);
     bool slow = false;  // a row of this work-item's is the second walk's
+% if pf == 3:
+    // Double-buffered: the next step's rows are loaded into registers (xn, dyn, dsn, ivn) while this
+    // step waits on its sum, so memory stays busy across the barriers at twice the held registers.
+    vec xn[CH], dyn[CH]${", dsn[CH]" if resid else ""};
+    float ivn;
+${load_step("first + seg", resid)}\
+% endif
     // Uniform across the group: the barriers of the sums stay in uniform control flow.
     for (idx_t r0 = first; r0 < last; r0 += RPG) {
         const idx_t row = r0 + seg;
@@ -364,6 +390,21 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
             }
         }
 % endif
+% if pf == 3:
+        const float iv = ivn;
+        float s = 0.0f;
+        for (uint k = 0; k < CH; ++k) {
+            const uint j = t + k * TPR;
+            xs[k] = xn[k];
+            dys[k] = dyn[k];
+%   if resid:
+            dss[k] = dsn[k];
+%   endif
+            const vec gv = (ok && j < dv) ? dys[k] * ${gain} : (vec)(0.0f);
+            s = ${lanes_dot(vw, "s", "gv", "xs[k]")};
+        }
+${load_step("row + RPG", resid)}\
+% else:
         // Read with the row, not after its sum: a step waits on memory once, not twice.
         const float iv = ok ? inv[${at("inv", "row")}] : 0.0f;
         float s = 0.0f;
@@ -383,6 +424,7 @@ void ${name}(__global ${vptr(st, vw)} *restrict dx, __global vec *restrict parti
             const vec gv = live ? dyv * ${gain} : (vec)(0.0f);
             s = ${lanes_dot(vw, "s", "gv", "xv")};
         }
+% endif
         ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
         const float coef = total / d * iv * iv * iv;
         // Rows whose inv is outside [2^−32, 2^32] (common.bwd_scaled) are the second walk's, below.

@@ -43,8 +43,9 @@ shape class ``{"d": d, "st": st}`` (``st`` the activations' storage type: ``floa
   ``vw``, ``rpg``, ``rr`` as above (``rpg`` rows per step), ``gpc`` groups per compute unit: the
   grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least
   ``MIN_STEPS`` steps of rows, ``pf`` 2 prefetches each step's next rows into the caches while the
-  step waits on its sum (1: not). The heuristics take ``rms_norm_bwd``'s layout (dx then has its
-  bits): at float32 with ``gpc`` 2; at 16-bit storage on NVIDIA's GPUs rows held and prefetched,
+  step waits on its sum, 3 loads them into registers then (rows held only: twice their registers),
+  1 neither. The heuristics take ``rms_norm_bwd``'s layout (dx then has its bits): at float32 with
+  ``gpc`` 2, on NVIDIA's GPUs ``pf`` 3 where rows are held; at 16-bit storage on NVIDIA's GPUs rows held and prefetched,
   ``gpc`` 4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice, ``gpc`` 4, and
   ``add_rms_norm_bwd`` about 16 vectors a work-item and ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
@@ -130,13 +131,18 @@ def heuristic_rows_bwd(dev, sc):
 
 
 def heuristic_bwd_dw(dev, sc):
-    """rms_norm_bwd's layout (dx then has its bits). float32: rows held, two groups per compute unit.
+    """rms_norm_bwd's layout (dx then has its bits). float32: rows held, two groups per compute unit, on an
+    NVIDIA GPU each step's rows loaded during the previous step's sum (pf 3, where rows are held).
     16-bit storage: four groups per compute unit of a GPU, rows read twice, or held and prefetched
     (_prefetching). (H100 sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the
-    forward's layout held, gpc 4; float32 0.422 against 0.448 at gpc 4.)"""
+    forward's layout held, gpc 4; float32 0.422 against 0.448 at gpc 4. An H100, 2026-12-06, alternating:
+    float32 pf 3 0.366 / 0.367 ms against 0.416 / 0.417 at pf 1, add_rms_norm_bwd 0.455 / 0.454 against
+    0.484 / 0.485; at bf16 pf 3 takes 128-158 registers and twice pf 2's time.)"""
     p = heuristic_rows_bwd(dev, sc)
     if sc["st"] == "float":
-        return dict(p, gpc=2, pf=1)
+        held = _render_bwd_dw(dict(p, gpc=2, pf=1), sc)["cache"]
+        ahead = held and bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
+        return dict(p, gpc=2, pf=3 if ahead else 1)
     if _prefetching(dev, sc):
         return dict(p, rr=1, gpc=4, pf=2)
     return dict(p, rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2, pf=1)
@@ -178,6 +184,13 @@ def _render_bwd_dw(p, sc):
     return dict(_render_rows(p, sc), kind="rows_dw")
 
 
+def _one_pass_rules(p, sc):
+    rows = _row_rules(p, sc)
+    held = p["pf"] != 3 or (all(ok for ok, _ in rows) and _render_bwd_dw(p, sc)["cache"])
+    return (*rows, (p["pf"] in (1, 2, 3), "pf must be 1, 2 or 3"),
+            (held, f"pf 3 needs rows held (rr 1, at most {MAX_CACHED} vectors a work-item)"))
+
+
 ROWS = Spec(
     "rms_norm", TEMPLATE, ("wg", "vw", "rpg", "rr"),
     lambda sc: {"wg": [32, 64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4, 8], "rr": [1, 2]},
@@ -191,13 +204,14 @@ ROWS_BWD = dataclasses.replace(ROWS, op="rms_norm_bwd", heuristic=heuristic_rows
 BWD_DW = Spec(
     "rms_norm_bwd_dw", TEMPLATE, ("wg", "vw", "rpg", "rr", "gpc", "pf"),
     lambda sc: {"wg": [64, 128, 256, 512, 1024], "vw": [1, 2, 4, 8], "rpg": [1, 2, 4], "rr": [1, 2],
-                "gpc": [1, 2, 4, 8], "pf": [1, 2]},
-    heuristic_bwd_dw, rules=lambda p, sc: (*_row_rules(p, sc), (p["pf"] in (1, 2), "pf must be 1 or 2")),
+                "gpc": [1, 2, 4, 8], "pf": [1, 2, 3]},
+    heuristic_bwd_dw, rules=_one_pass_rules,
     # the row sums' scratch, and the segments' partial sums when a group takes several rows a step
     local_bytes=lambda p, sc: 4 * p["wg"] * (1 + (vector_width(p["vw"], sc["d"]) if p["rpg"] > 1 else 0)),
     render=_render_bwd_dw,
     doc="rms_norm_bwd with dw (one pass): wg work-items per group, vw vector width, rpg rows per step, rr "
-        "reads of a row, gpc groups per compute unit, pf 2 the next step's rows prefetched (1 not)")
+        "reads of a row, gpc groups per compute unit, pf 2 the next step's rows prefetched, 3 loaded into registers "
+        "during this step's sum (rows held only), 1 neither")
 ADD_BWD_DW = dataclasses.replace(BWD_DW, op="add_rms_norm_bwd", heuristic=heuristic_add_bwd_dw,
                                  doc="add_rms_norm_bwd (one pass): the parameters of rms_norm_bwd_dw")
 _ONE_PASS = {"rms_norm_bwd_dw": BWD_DW, "add_rms_norm_bwd": ADD_BWD_DW}  # kernel name: its spec

@@ -151,6 +151,8 @@ LAYOUTS = [
     (6, dict(wg=64, vw=4, rpg=16, rr=1, gpc=8, pf=1)),  # vw capped to 2 (divides 6)
     (129, dict(wg=24, vw=2, rpg=3, rr=1, gpc=2, pf=2)),  # groups not a power of two; the next rows prefetched
     (1, dict(wg=8, vw=1, rpg=4, rr=1, gpc=1, pf=1)),    # one column: the backward's own formula
+    (5120, dict(wg=64, vw=8, rpg=1, rr=1, gpc=3, pf=3)),  # the next step's rows loaded during this one's sum
+    (129, dict(wg=24, vw=2, rpg=3, rr=1, gpc=2, pf=3)),  # the same, three rows a step
 ]
 F32, BF16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
 
@@ -176,6 +178,15 @@ def test_launch_parameters(queue, d, params, dtype):
     wdx, wdw = ref.add_rms_norm_bwd(x, w, iv, dy, ds)
     _close("dx (add)", dx, wdx, dtype, 1e-5)
     _close("dw (add)", dw, wdw, np.float32, 1e-5)
+
+
+def test_rows_loaded_ahead_must_be_held(queue):
+    """pf 3 loads the next step's rows into the registers that hold rows: refused where rows are read twice."""
+    norm_override("rms_norm_bwd_dw", 64, dict(wg=64, vw=4, rpg=1, rr=2, gpc=1, pf=3))
+    X, W, DY = to_device(queue, rnd((4, 64), 1), rnd(64, 2), rnd((4, 64), 3))
+    _, inv = clops.rms_norm(queue, X, W)
+    with pytest.raises(ValueError, match="pf 3 needs rows held"):
+        clops.rms_norm_bwd(queue, X, W, inv, DY, want_dw=True)
 
 
 def test_groups_walk_every_row_once(queue):
@@ -239,7 +250,8 @@ def test_one_pass_heuristics_on_a_gpu():
     """At 16-bit storage on an NVIDIA GPU both passes hold and prefetch rows over float32's work-items,
     the one that reads ds in eight groups a compute unit, rms_norm_bwd's with dw in four; on another
     GPU they read rows twice, the pass that reads ds over fewer work-items (about 16 vectors each).
-    float32 takes the same layout for both, without the prefetch."""
+    float32 takes the same layout for both; on NVIDIA each step's rows are loaded during the previous
+    step's sum (pf 3) where rows are held (not for rows too wide for that)."""
     def gpu(platform):
         return types.SimpleNamespace(type=cl.device_type.GPU, max_work_group_size=1024,
                                      platform=types.SimpleNamespace(name=platform))
@@ -251,4 +263,5 @@ def test_one_pass_heuristics_on_a_gpu():
     assert norm.BWD_DW.heuristic(other, bf16) == {"wg": 256, "vw": 8, "rpg": 1, "rr": 2, "gpc": 4, "pf": 1}
     for dev in (nvidia, other):
         assert norm.ADD_BWD_DW.heuristic(dev, f32) == norm.BWD_DW.heuristic(dev, f32)
-        assert norm.BWD_DW.heuristic(dev, f32)["pf"] == 1
+        assert norm.BWD_DW.heuristic(dev, f32)["pf"] == (3 if dev is nvidia else 1)
+        assert norm.BWD_DW.heuristic(dev, {"d": 65536, "st": "float"})["pf"] == 1  # 64 vectors a work-item

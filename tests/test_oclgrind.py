@@ -90,6 +90,7 @@ def run_norm(queue):
     from helpers import ROW_OPS, norm_override
 
     import clops
+    from clops import norm
     from clops import reference as ref
     from clops.reference import rnd
 
@@ -111,8 +112,11 @@ def run_norm(queue):
         x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
         norm_override(ROW_OPS, d, rows)
         norm_override("rms_norm_dw", d, dw)
-        norm_override("rms_norm_bwd_dw", d, None if rows is None else dict(rows, gpc=1, pf=2))
-        norm_override("add_rms_norm_bwd", d, None if rows is None else dict(rows, gpc=1, pf=2))
+        one_pass = None if rows is None else dict(rows, gpc=1, pf=2)
+        if one_pass and norm.BWD_DW.render(one_pass, {"d": d})["cache"]:
+            one_pass["pf"] = 3  # rows held: the next step's loaded during this one's sum
+        norm_override("rms_norm_bwd_dw", d, one_pass)
+        norm_override("add_rms_norm_bwd", d, one_pass)
         for gemma in (False, True):
             (y, inv), (wy, winv) = clops.rms_norm(queue, x_, w_, gemma=gemma), ref.rms_norm(x, w, gemma=gemma)
             _expect("rms_norm y", y, wy)
