@@ -48,8 +48,9 @@
 // Parameters: WG work-items per group, VW vector width, RPG rows per group
 // (per step), CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in
 // registers, PF 2 the one-pass backwards' next rows prefetched (PTX with `ptx`: NVIDIA's
-// OpenCL prefetch() does nothing measurable), RB rows per partial block, IDX the index type (uint when every
-// index fits 32 bits, else ulong), ST / WST / DWST the storage types above.
+// OpenCL prefetch() does nothing measurable), PF 3 loaded into registers during the step's sum
+// (with CACHE), RB rows per partial block, IDX the index type (uint when every index fits 32 bits,
+// else ulong), ST / WST / DWST the storage types above.
 <%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None, pf=None, ptx=0"/>
 <%namespace name="common" file="common.cl.mako"/>
 ${common.guards()}\
