@@ -28,12 +28,14 @@ with a line saying so (:data:`NARROW_OPS` says which ops take 16-bit storage).
 PyTorch with a GPU is importable in this process, and the ratio PyTorch ms /
 clops ms (above 1: clops is faster). ``--json PATH`` writes every figure keyed by op name, with
 ``kernels_ms``: the device time of each of the op's kernels in one more call.
-``--small`` uses small shapes, for CPUs.
+``--small`` uses small shapes, for CPUs. The header (and the JSON's ``clops``) names the clops that
+ran: its version, path and ``tree``, a hash of its modules and kernel templates.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import statistics
 
@@ -105,6 +107,20 @@ def fp32_peak_tflops(dev):
         return None, basis
     peak = dev.max_compute_units * lanes * 2 * dev.max_clock_frequency * 1e6 / 1e12
     return peak, f"{dev.max_compute_units} CUs × {lanes} lanes × 2 FLOP × {dev.max_clock_frequency} MHz ({basis})"
+
+
+def source_identity():
+    """{"version", "path", "tree"}: the clops that runs, and a hash of its Python modules and kernel
+    templates, so that figures name the code that made them (a base tree beside a working one, say)."""
+    from pathlib import Path
+
+    from .program import KERNEL_DIR
+
+    here = Path(clops.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for f in sorted(here.glob("*.py")) + sorted(KERNEL_DIR.glob("*.mako")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return {"version": clops.__version__, "path": str(here), "tree": digest.hexdigest()[:12]}
 
 
 def copy_bandwidth(queue, nbytes):
@@ -676,6 +692,8 @@ def main(argv=None, queue=None, out=print):
     torch, why = torch_gpu() if a.peers else (None, None)
     platform, name, driver = runtime.device_identity(dev)
     out(f"clops bench on {name} ({platform}, driver {driver}) at {a.dtype}{', small shapes' if a.small else ''}")
+    source = source_identity()
+    out(f"clops {source['version']}, tree {source['tree']} ({source['path']})")
     copy_bytes = min(dev.max_mem_alloc_size // 4, (16 if a.small else 1024) * 2**20)
     peak, basis = fp32_peak_tflops(dev)
     limits = {"copy_GBps": copy_bandwidth(queue, copy_bytes), "copy_bytes": copy_bytes, "fp32_peak_TFLOPs": peak,
@@ -695,8 +713,8 @@ def main(argv=None, queue=None, out=print):
             data.clear()
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": {"platform": platform, "name": name, "driver": driver}, "small": a.small,
-                       "dtype": a.dtype, "limits": limits, "peers": why if a.peers and torch is None else None,
-                       "ops": ops}, f, indent=1)
+            json.dump({"device": {"platform": platform, "name": name, "driver": driver}, "clops": source,
+                       "small": a.small, "dtype": a.dtype, "limits": limits,
+                       "peers": why if a.peers and torch is None else None, "ops": ops}, f, indent=1)
         out(f"figures written to {a.json}")
     return 0 if all(r["status"] in ("ok", "skipped") for r in ops.values()) else 1

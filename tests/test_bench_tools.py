@@ -1,5 +1,6 @@
 """`python -m clops bench` (small shapes, JSON), its device limits, and the tune CLI's listing and plot."""
 import json
+import shutil
 import sys
 import types
 
@@ -42,6 +43,8 @@ def test_bench_small_json(queue, tmp_path):
                     queue=queue, out=lines.append)
     data = json.loads(path.read_text())
     assert data["limits"]["copy_GBps"] > 0 and data["small"] is True
+    assert data["clops"] == bench.source_identity() and data["clops"]["version"] == clops.__version__
+    assert f"tree {data['clops']['tree']}" in lines[1]  # the header names the code that ran
     names = {n for n in data["ops"] if any(o in n for o in only)}
     assert names == set(data["ops"]) and "swiglu_bwd" in names and "attention small-hd64" in names
     for name, rec in data["ops"].items():
@@ -54,6 +57,20 @@ def test_bench_small_json(queue, tmp_path):
     assert "copy bandwidth" in text and "swiglu_bwd" in text and "GB/s" in text and "TFLOP/s" in text
     assert "peers:" in text  # PyTorch's state is said, whether or not it is there
     assert rc == (0 if all(r["status"] == "ok" for r in data["ops"].values()) else 1)
+
+
+def test_source_identity_changes_with_a_template(tmp_path, monkeypatch):
+    """The tree hash covers the kernel templates: a copy hashes the same, one changed line does not."""
+    from clops import program
+
+    first = bench.source_identity()
+    copy = tmp_path / "cl_kernels"
+    shutil.copytree(program.KERNEL_DIR, copy)
+    monkeypatch.setattr(program, "KERNEL_DIR", copy)
+    assert bench.source_identity() == first
+    common = copy / "common.cl.mako"
+    common.write_text(common.read_text() + "\n")
+    assert bench.source_identity()["tree"] != first["tree"]
 
 
 def test_bench_at_bfloat16_counts_the_bytes_moved_and_skips_float32_ops(queue, tmp_path):
