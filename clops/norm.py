@@ -45,9 +45,9 @@ shape class ``{"d": d, "st": st}`` (``st`` the activations' storage type: ``floa
   ``MIN_STEPS`` steps of rows, ``pf`` 2 prefetches each step's next rows into the caches while the
   step waits on its sum, 3 loads them into registers then (rows held only: twice their registers),
   1 neither. The heuristics take ``rms_norm_bwd``'s layout (dx then has its bits): at float32 with
-  ``gpc`` 2, on NVIDIA's GPUs ``pf`` 3 where rows are held; at 16-bit storage on NVIDIA's GPUs rows held and prefetched,
-  ``gpc`` 4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice, ``gpc`` 4, and
-  ``add_rms_norm_bwd`` about 16 vectors a work-item and ``gpc`` 8.
+  ``gpc`` 2, on NVIDIA's GPUs ``pf`` 3 where rows are held; at 16-bit storage on NVIDIA's GPUs
+  rows held and prefetched, ``gpc`` 4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice,
+  ``gpc`` 4, and ``add_rms_norm_bwd`` about 16 vectors a work-item and ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32

@@ -93,19 +93,21 @@ def _inv_close(got, want, inf_rows):
 
 
 @pytest.mark.parametrize("dtype", RANGE_DTYPES, ids=str)
-@pytest.mark.parametrize("d,rows", [(300, None), (4097, dict(wg=32, vw=1, rpg=1, rr=1))])  # 4097: read twice
-def test_rms_norm_rows_outside_the_square_range(queue, dtype, d, rows):
+@pytest.mark.parametrize("d,rows,pf", [(300, None, None), (300, dict(wg=64, vw=4, rpg=1, rr=1), 3),  # loaded ahead
+                                       (4097, dict(wg=32, vw=1, rpg=1, rr=1), None)])  # 4097: read twice
+def test_rms_norm_rows_outside_the_square_range(queue, dtype, d, rows, pf):
     x, w, dy = _extreme_rows((len(SCALES), d), 25, dtype), rnd(d, 26, 0.5), rnd((len(SCALES), d), 27, 4.0).astype(dtype)
     x_, w_, dy_ = to_device(queue, x, w, dy)
     inf_rows = np.arange(len(SCALES)) == INF_INV
     norm_override(ROW_OPS, d, rows)
+    norm_override("rms_norm_bwd_dw", d, pf and dict(rows, gpc=1, pf=pf))  # the one pass walks every row
     try:
         y, inv = clops.rms_norm(queue, x_, w_, eps=0.0)
         dx = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0)
         dx1, dw1 = clops.rms_norm_bwd(queue, x_, w_, inv, dy_, eps=0.0, want_dw=True)
         dw = clops.rms_norm_dw(queue, x_, inv, dy_)
     finally:
-        norm_override(ROW_OPS, d, None)
+        norm_override((*ROW_OPS, "rms_norm_bwd_dw"), d, None)
     wy, winv = ref.rms_norm(x, w, eps=0.0)
     _rows_close("y", y, wy, dtype, 1e-6)
     _inv_close(inv, winv, inf_rows)
