@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -47,7 +48,7 @@ import pyopencl.tools as cl_tools
 
 import clops
 
-from . import runtime, step, tuning
+from . import program, runtime, step, tuning
 from .args import F32
 from .profile import Profile, measure
 from .tune import attention_flops
@@ -112,13 +113,9 @@ def fp32_peak_tflops(dev):
 def source_identity():
     """{"version", "path", "tree"}: the clops that runs, and a hash of its Python modules and kernel
     templates, so that figures name the code that made them (a base tree beside a working one, say)."""
-    from pathlib import Path
-
-    from .program import KERNEL_DIR
-
     here = Path(clops.__file__).resolve().parent
     digest = hashlib.sha256()
-    for f in sorted(here.glob("*.py")) + sorted(KERNEL_DIR.glob("*.mako")):
+    for f in sorted(here.glob("*.py")) + sorted(program.KERNEL_DIR.glob("*.mako")):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     return {"version": clops.__version__, "path": str(here), "tree": digest.hexdigest()[:12]}
 

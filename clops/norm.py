@@ -96,10 +96,16 @@ def heuristic_rows(dev, sc):
     return _rows_layout(dev, sc, 8)
 
 
+def _vw_16_bytes(sc):
+    """The vector width of 16-byte loads at the class's storage type (4 at float32, 8 at 16 bits), capped to
+    divide d."""
+    return vector_width(16 // storage_dtype(sc["st"]).itemsize, sc["d"])
+
+
 def _rows_layout(dev, sc, vectors):
     """Vectors of 16 bytes, about ``vectors`` of them per work-item, up to 256 work-items per row."""
     d = sc["d"]
-    vw = vector_width(16 // storage_dtype(sc["st"]).itemsize, d)
+    vw = _vw_16_bytes(sc)
     tpr = min(pow2_ceil(-(-d // (vw * vectors))), wg_cap(dev), 256)
     wg = max(tpr, min(64, wg_cap(dev)))
     return {"wg": wg, "vw": vw, "rpg": wg // tpr, "rr": 1}
@@ -110,8 +116,7 @@ def heuristic_dw(dev, sc):
     (an H100, 2026-12-06, bf16 at d = 5120: the sweep's best, 0.136 ms, 0.141 at 64 rows; in the bench
     as fast as float32's tiles, vw 4 and 64 rows, were at bf16: 0.134-0.136 ms against 0.135)."""
     st = sc["st"]
-    return {"wg": min(128, wg_cap(dev)), "vw": vector_width(16 // storage_dtype(st).itemsize, sc["d"]),
-            "rb": 64 if st == "float" else 32}
+    return {"wg": min(128, wg_cap(dev)), "vw": _vw_16_bytes(sc), "rb": 64 if st == "float" else 32}
 
 
 def _prefetching(dev, sc):
@@ -119,7 +124,11 @@ def _prefetching(dev, sc):
     where the prefetch is PTX (an H100, 2026-12-06, bf16 at d = 5120, the rows' layout of 256 work-items:
     rms_norm_bwd_dw 0.224 ms against 0.235 read twice, add_rms_norm_bwd 0.312 against 0.351 at its
     read-twice tiles below; held without the prefetch 0.283 and 0.389, read twice with it no faster)."""
-    return sc["st"] != "float" and bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
+    return sc["st"] != "float" and _nvidia_gpu(dev)
+
+
+def _nvidia_gpu(dev):
+    return bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
 
 
 def heuristic_rows_bwd(dev, sc):
@@ -137,11 +146,10 @@ def heuristic_bwd_dw(dev, sc):
     (_prefetching). (H100 sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the
     forward's layout held, gpc 4; float32 0.422 against 0.448 at gpc 4. An H100, 2026-12-06, alternating:
     float32 pf 3 0.366 / 0.367 ms against 0.416 / 0.417 at pf 1, add_rms_norm_bwd 0.455 / 0.454 against
-    0.484 / 0.485; at bf16 pf 3 takes 128-158 registers and twice pf 2's time.)"""
+    0.484 / 0.485; at bf16 pf 3 takes 128-158 registers and 1.4-2x pf 2's time.)"""
     p = heuristic_rows_bwd(dev, sc)
     if sc["st"] == "float":
-        held = _render_bwd_dw(dict(p, gpc=2, pf=1), sc)["cache"]
-        ahead = held and bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
+        ahead = _render_rows(p, sc)["cache"] and _nvidia_gpu(dev)  # pf 3 needs rows held
         return dict(p, gpc=2, pf=3 if ahead else 1)
     if _prefetching(dev, sc):
         return dict(p, rr=1, gpc=4, pf=2)
@@ -186,7 +194,7 @@ def _render_bwd_dw(p, sc):
 
 def _one_pass_rules(p, sc):
     rows = _row_rules(p, sc)
-    held = p["pf"] != 3 or (all(ok for ok, _ in rows) and _render_bwd_dw(p, sc)["cache"])
+    held = p["pf"] != 3 or (all(ok for ok, _ in rows) and _render_rows(p, sc)["cache"])
     return (*rows, (p["pf"] in (1, 2, 3), "pf must be 1, 2 or 3"),
             (held, f"pf 3 needs rows held (rr 1, at most {MAX_CACHED} vectors a work-item)"))
 

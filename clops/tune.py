@@ -145,6 +145,12 @@ def _norm_data(queue, pb, d, st="float"):
     return (x, w, dy), _upload(queue, x, w, dy)
 
 
+def _inv(queue, x, w):
+    """inv of the rows of ``x`` (the float64 reference's, rounded to float32): host and device copies."""
+    inv = ref.rms_norm(x, w)[1].astype(np.float32)
+    return inv, _upload(queue, inv)[0]
+
+
 def _rms_norm(queue, sc, pb):
     """rms_norm, x of storage ``sc["st"]``; the work counted is the bytes moved."""
     d, st = sc["d"], sc["st"]
@@ -158,8 +164,7 @@ def _rms_norm_bwd(queue, sc, pb):
     """rms_norm_bwd without the gain gradient, x and dy of storage ``sc["st"]``."""
     d, st = sc["d"], sc["st"]
     (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
-    inv = ref.rms_norm(x, w)[1].astype(np.float32)
-    (dinv,) = _upload(queue, inv)
+    inv, dinv = _inv(queue, x, w)
     pool = _pool(queue)
     return Case(lambda: (clops.rms_norm_bwd(queue, dx_, dw_, dinv, ddy, allocator=pool),),
                 lambda: (ref.rms_norm_bwd(x, w, inv, dy),), (_storage_tol(st, BWD),), "GB/s",
@@ -169,8 +174,7 @@ def _rms_norm_bwd(queue, sc, pb):
 def _rms_norm_dw(queue, sc, pb):
     d, n = sc["d"], pb["rows"]
     (x, w, dy), (dx_, _, ddy) = _norm_data(queue, pb, d, sc["st"])
-    inv = ref.rms_norm(x, w)[1].astype(np.float32)
-    (dinv,) = _upload(queue, inv)
+    inv, dinv = _inv(queue, x, w)
     pool = _pool(queue)
     return Case(lambda: (clops.rms_norm_dw(queue, dx_, dinv, ddy, allocator=pool),),
                 lambda: (ref.rms_norm_dw(x, inv, dy),), (BWD,), "GB/s", 2 * x.nbytes + _nbytes((n,), (d,)))
@@ -181,9 +185,7 @@ def _one_pass(resid, queue, sc, pb):
     same pass with ds read and added)."""
     d, n, st = sc["d"], pb["rows"], sc["st"]
     (x, w, dy), (dx_, dw_, ddy) = _norm_data(queue, pb, d, st)
-    _, inv = ref.rms_norm(x, w)
-    inv = inv.astype(np.float32)
-    (dinv,) = _upload(queue, inv)
+    inv, dinv = _inv(queue, x, w)
     pool = _pool(queue)
     if resid:
         r = ref.rnd((n, d), 4, 1.0).astype(x.dtype)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyopencl as cl
 
-from clops import attn, norm, program, tune
+from clops import attn, norm, program, runtime, tune
 from clops.tune import _value
 
 # An H200 as the heuristics see it (clops info on the H200: 132 compute units, 48 KiB of local memory)
@@ -97,7 +97,7 @@ def parse_ptxas(text):
 
 def driver_registers(source):
     """[(kernel, usage line)] of NVIDIA's OpenCL driver building ``source`` (its first device)."""
-    devices = [d for p in cl.get_platforms() if "NVIDIA" in p.name.upper() for d in p.get_devices()]
+    devices = [d for p in cl.get_platforms() for d in p.get_devices() if runtime.nvidia(d)]
     if not devices:
         raise SystemExit("--driver: no NVIDIA OpenCL device here (the proxy, without --driver, needs none)")
     ctx = cl.Context(devices[:1])
