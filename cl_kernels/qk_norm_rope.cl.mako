@@ -49,9 +49,11 @@
 //
 // Parameters: HD head dim, HALF rotary half (0: no rotation, no rope
 // argument), WG work-items per group, vw the widest vector width wanted, UPG
-// units per group (per step), IDX the index type, ST / WST the storage types
-// above.
-<%page args="hd, half, wg, vw, upg, idx, st, wst, varlen=0"/>
+// units per group (per step), PF the backward's next step: 1 loaded when it
+// comes, 2 prefetched into the caches while this step waits on its sum (PTX
+// with `ptx`), 3 loaded into registers then (twice the step's registers), as
+// rms_norm.cl.mako's PF; IDX the index type, ST / WST the storage types above.
+<%page args="hd, half, wg, vw, upg, idx, st, wst, pf=1, ptx=0, varlen=0"/>
 ## varlen (a render flag, with HALF only; 0 renders the kernels above as they
 ## were): the kernels take cu, nseq + 1 int offsets of the sequences, after rope
 ## and nseq in place of window; unit u's position is the offset of its row in
@@ -164,6 +166,28 @@ def cos_sin(vw):
     for (uint i = 1; i < TPU; ++i)
         ${result} += ${buf}[seg * TPU + i];
 % endif
+</%def>
+
+## The backward's loads of the units of step `u0` (this work-item's vectors of dy and x, zeros past
+## the group's units) and their inv, into ga${sfx}, xa${sfx} (gb${sfx}, xb${sfx}) and iv${sfx}.
+<%def name="load_units(u0, sfx)">
+        {
+            const idx_t unit = ${u0} + seg;
+            const bool ok = unit < last;
+            const idx_t base = unit * HV;
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                const uint s = t + k * TPU;
+                const bool live = ok && LIVE(k, s);
+                ga${sfx}[k] = live ? ${loadv(st, v, "dy", "base + FIRST(k, s)")} : (vec)(0.0f);
+                xa${sfx}[k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
+% if half:
+                gb${sfx}[k] = live && PAIR(k, s) ? ${loadv(st, v, "dy", "base + s + NP")} : (vec)(0.0f);
+                xb${sfx}[k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
+% endif
+            }
+            iv${sfx} = ok ? inv[${at("inv", "unit")}] : 0.0f;
+        }
 </%def>
 
 ## The backward's stores of dx (`dx`: its formula of the vectors w{h}, g{h}[k], x{h}[k], h the
@@ -289,6 +313,13 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
     const idx_t first = (idx_t)get_group_id(0) * per_group;
     const idx_t last = min(units, first + per_group);
     uint flip = 0;  // the scratch half of this step
+% if pf == 3:
+    // Double-buffered: the next step's units are loaded into registers (gan, xan, ..., ivn) while this
+    // step waits on its sum, so memory stays busy across the barrier.
+    vec gan[CH], xan[CH]${", gbn[CH], xbn[CH]" if half else ""};
+    float ivn;
+${load_units("first", "n")}\
+% endif
     // Uniform across the group: the barriers of the sums stay in uniform control flow.
     for (idx_t u0 = first; u0 < last; u0 += UPG) {
         const idx_t unit = u0 + seg;
@@ -296,19 +327,47 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
         const idx_t base = unit * HV;
         // The gain is read where it is used (cache hits; compilers may hold it), not kept in arrays.
         vec ga[CH], xa[CH]${", gb[CH], xb[CH]" if half else ""};
-        float s_ = 0.0f;
+        float iv;
+% if pf == 3:
         #pragma unroll
         for (uint k = 0; k < CH; ++k) {
-            const uint s = t + k * TPU;
-            const bool live = ok && LIVE(k, s);
-            ga[k] = live ? ${loadv(st, v, "dy", "base + FIRST(k, s)")} : (vec)(0.0f);
-            xa[k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
-% if half:
-            gb[k] = live && PAIR(k, s) ? ${loadv(st, v, "dy", "base + s + NP")} : (vec)(0.0f);
-            xb[k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
-% endif
+            ga[k] = gan[k];
+            xa[k] = xan[k];
+%   if half:
+            gb[k] = gbn[k];
+            xb[k] = xbn[k];
+%   endif
         }
-        const float iv = ok ? inv[${at("inv", "unit")}] : 0.0f;
+        iv = ivn;
+${load_units("u0 + UPG", "n")}\
+% else:
+${load_units("u0", "")}\
+% endif
+% if pf == 2:
+        // The next step's units into the caches while this one waits on its sum: memory busy across the
+        // barrier (no registers held). A hint: not a read, so neither guarded nor checked.
+        if (unit + UPG < last) {
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                const uint s = t + k * TPU;
+                if (LIVE(k, s)) {
+%   for a in ("dy", "x"):
+%     for j in ["FIRST(k, s)"] + (["s + NP"] if half else []):
+%       if j != "FIRST(k, s)":
+                    if (PAIR(k, s))
+%       endif
+%       if ptx:
+                    asm volatile("prefetch.global.L2 [%0];" :: "l"(${a} + base + UPG * HV + ${j}));
+%       else:
+                    prefetch(${a} + base + UPG * HV + ${j}, 1);
+%       endif
+%     endfor
+%   endfor
+                }
+            }
+        }
+% endif
+        float s_ = 0.0f;
         // A unit whose inv is outside [2^−32, 2^32] (common.bwd_scaled) takes x̂ = x·inv = (x·2^−se)·ivs
         // in place of x (rms_norm.cl.mako's bwd_scale), so its sum below is Σ g·w·x̂. No barriers.
         const bool scaled = ok && ${common.bwd_scaled("iv")};

@@ -548,14 +548,14 @@ void column_sum(__global ${vptr(dwst, 1)} *restrict dw, __global const float *re
     float s = 0.0f;
     if (c < cols) {
         uint b = b0 + slice;
-        // Eight rows' loads in flight, then added in the same order: one wait on the cache per eight.
-        for (; b + 7 * CS_S < b1; b += 8 * CS_S) {
-            float v[8];
+        // Sixteen rows' loads in flight, then added in the same order: one wait on the cache per sixteen.
+        for (; b + 15 * CS_S < b1; b += 16 * CS_S) {
+            float v[16];
             #pragma unroll
-            for (uint u = 0; u < 8; ++u)
+            for (uint u = 0; u < 16; ++u)
                 v[u] = partial[${at("partial", "(idx_t)(b + u * CS_S) * cols + c")}];
             #pragma unroll
-            for (uint u = 0; u < 8; ++u)
+            for (uint u = 0; u < 16; ++u)
                 s += v[u];
         }
         for (; b < b1; b += CS_S)

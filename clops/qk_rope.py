@@ -42,9 +42,12 @@ two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` units (row,
 time by a group (divides ``wg``; a unit is shared by ``wg/upg`` work-items), ``gpc`` backward
 groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
 groups, each walking at least ``MIN_STEPS`` steps of ``upg`` units
-(:func:`clops.norm.bwd_dw_groups`), each group a partial row of the dw reduction. The dw column
+(:func:`clops.norm.bwd_dw_groups`), each group a partial row of the dw reduction, ``pf`` how the
+backward gets each next step's units: 1 loaded when the step comes, 2 prefetched into the caches while
+this step waits on its sum (PTX on NVIDIA), 3 loaded into registers then (twice the step's registers),
+as :mod:`clops.norm`'s one passes. The dw column
 sum is :func:`clops.norm.column_sum` (groups of 32 columns × 8 row slices; two launches beyond
-512 partial rows).
+1024 partial rows).
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
+from . import runtime
 from .args import (F32, FLOATS, check_array, check_queue, check_sequences, events, hold, index_scalar, index_type,
                    outputs, positive_int, scratch, storage, upload_sequences, wrote)
 from .norm import VECTOR_WIDTHS, bwd_dw_groups, check_eps, column_sum, gain_offset, vector_width, wg_cap
@@ -73,17 +77,21 @@ def heuristic(dev, sc):
     PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512.
     At 16-bit storage on a GPU, the same work-items a unit in groups of 128, four backward groups per
     compute unit: on an H100 (2026-12-05, bf16, forward + backward) 0.089 / 0.154 / 0.285 ms against
-    0.094 / 0.162 / 0.300 at hd 64 / 128 / 256; at float32 that layout is 1-2 % slower."""
+    0.094 / 0.162 / 0.300 at hd 64 / 128 / 256; at float32 that layout is 1-2 % slower. There, on NVIDIA's
+    GPUs from hd 128, the backward prefetches each next step (``pf`` 2, PTX): on an H100 (2026-12-06, bf16)
+    0.165 / 0.164 ms against 0.187 / 0.182 at hd 128 / 256; at hd 64 (12 steps a group) 0.056 against
+    0.051; at float32 0.320 / 0.324 against 0.301 / 0.300, and ``pf`` 3 (144 registers at bf16) no faster."""
     hd = sc["hd"]
     cap = wg_cap(dev)
     if dev.type & cl.device_type.CPU:
         wg = min(32, cap)
-        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4}
+        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4, "pf": 1}
     vw = vector_width(4, hd)
     tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     narrow = sc["st"] != "float"
     wg = max(tpu, min(128 if narrow else 256, cap))
-    return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 4 if narrow else 2}
+    pf = 2 if narrow and hd >= 128 and runtime.nvidia(dev) else 1
+    return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 4 if narrow else 2, "pf": pf}
 
 
 def _pow2_floor(v):
@@ -110,15 +118,17 @@ def _render(p, sc):
 
 
 SPEC = Spec(
-    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "gpc"),
+    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "gpc", "pf"),
     lambda sc: {"wg": [64, 128, 256, 512], "vw": [2, 4, 8], "upg": [2, 4, 8, 16, 32, 64],
-                "gpc": [1, 2, 4, 8]},
+                "gpc": [1, 2, 4, 8], "pf": [1, 2, 3]},
     heuristic,
     rules=lambda p, sc: ((p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"),
-                         (p["wg"] % p["upg"] == 0, "upg must divide wg")),
+                         (p["wg"] % p["upg"] == 0, "upg must divide wg"),
+                         (p["pf"] in (1, 2, 3), "pf must be 1, 2 or 3")),
     local_bytes=local_bytes, render=_render,
     doc="qk_norm_rope and qk_norm_rope_bwd: wg work-items per group, vw vector width, upg units per group "
-        "(per step), gpc backward groups per compute unit")
+        "(per step), gpc backward groups per compute unit, pf the backward's next step (1 loaded when it "
+        "comes, 2 prefetched, 3 loaded into registers during this step's sum)")
 
 
 def _geometry(queue, x, w):
@@ -180,7 +190,8 @@ def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
     p = SPEC.params(queue.device, sc)
     # unit offsets past the end (the last group's units), and the backward's unit ranges
     idx = index_type((units + p["upg"]) * hd, 2 * units + p["upg"])
-    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst, varlen=varlen)
+    _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst, varlen=varlen,
+                          ptx=int(runtime.nvidia(queue.device)))
     return p, knl[name], index_scalar(idx)(units)
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyopencl as cl
 
-from clops import attn, norm, program, runtime, tune
+from clops import attn, norm, program, qk_rope, runtime, tune
 from clops.tune import _value
 
 # An H200 as the heuristics see it (clops info on the H200: 132 compute units, 48 KiB of local memory)
@@ -41,6 +41,7 @@ FAMILIES = {  # name: (spec, the render extras every build of it takes besides i
     "rms_norm": (norm.ROWS, {"wst": "float"}),
     "rms_norm_bwd": (norm.ROWS_BWD, {"wst": "float"}),
     "rms_norm_bwd_dw": (norm.BWD_DW, {"wst": "float", "ptx": 1}),  # its prefetch as NVIDIA's builds take it
+    "qk_norm_rope": (qk_rope.SPEC, {"wst": "float", "ptx": 1, "varlen": 0}),  # half: the bench's hd / 4
 }
 
 
@@ -56,6 +57,8 @@ def render(family, sc, params, flags):
     sc.setdefault("st", "float")
     if "hd" in sc:  # the attention drivers: the H200's products at that storage
         sc.setdefault("product", "tf32x3" if sc["st"] == "float" else sc["st"])
+    if spec is qk_rope.SPEC:
+        extra = dict(extra, half=sc["hd"] // 4)
     p = dict(spec.heuristic(H200, sc), **params)
     params = dict(spec.render(p, sc), **dict(extra, **flags), st=sc["st"], idx="uint", checked=False)
     return program.render(spec.template, **params), p
