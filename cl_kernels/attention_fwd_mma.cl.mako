@@ -241,6 +241,31 @@ ${tp.pv(kind, st, False, visible)}\
     }
     // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.
 ${tp.quad(kind, "sum", "l[0]", "l[1]")}\
+% if narrow and kind != "fma" and hd % 32 == 0 and hd >= 128:
+    // O in 16-byte stores: four tiles' words of a row transposed across the quad (every lane, rows past
+    // the sequence too), then each lane stores one tile's 8 columns of the row. (An H100, 2026-12-06, bf16,
+    // against 4-byte stores, forward TFLOP/s: hd 256 causal 266-269 / 265, softcap 258 / 246, sliding-512
+    // 190-191 / 186-188; hd 128 causal 253 / 251; hd 64, 12 registers more, sliding-512 164-166 / 176-178.)
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint qi = row0 + g + 8 * r;
+        const idx_t row = qbase + (idx_t)qi * qstride;
+        const float inv = 1.0f / l[r];
+        #pragma unroll
+        for (int c = 0; c < HD / 32; ++c) {
+            uint w[4];
+            #pragma unroll
+            for (int u = 0; u < 4; ++u)
+                w[u] = (uint)clops_float_to_${st}(acc[4 * c + u][2 * r] * inv) |
+                       ((uint)clops_float_to_${st}(acc[4 * c + u][2 * r + 1] * inv) << 16);
+            const uint4 x = quad_transpose(w, t);
+            if (qi < T)
+                *(__global uint4 *)(o + ${at("o", "row + 32 * c + 8 * t", 8)}) = x;
+        }
+        if (qi < T && t == 0)
+            lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[r] * M_LN2_F + log(l[r]);
+    }
+% else:
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const uint qi = row0 + g + 8 * r;
@@ -260,4 +285,5 @@ ${tp.quad(kind, "sum", "l[0]", "l[1]")}\
             if (t == 0) lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[r] * M_LN2_F + log(l[r]);
         }
     }
+% endif
 }

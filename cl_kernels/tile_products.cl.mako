@@ -93,6 +93,13 @@ inline float quad_sum(float x)
     asm volatile("shfl.sync.bfly.b32 %0, %1, 2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x));
     return x + y;
 }
+// x of lane lane ^ mask of the warp, as bits.
+inline uint lane_xor(uint x, uint mask)
+{
+    uint y;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(y) : "r"(x), "r"(mask));
+    return y;
+}
 // x of lane `src` of the warp.
 inline float lane_value(float x, uint src)
 {
@@ -163,6 +170,29 @@ inline void split(float x, uint *hi, uint *lo)
     *lo = tf32(x - as_float(*hi));
 }
 % endif
+% if kind != "fma":
+// A quad's 4 × 4 words transposed: lane t of the quad passes word t of four tiles' rows as w[0..3]
+// (a row's 16 bytes of a tile lie across the quad, word s in lane s) and gets tile t's four words in
+// order, so that a row leaves in 16-byte stores. Two butterfly stages (lanes t ^ 2, then t ^ 1), two
+// shuffles each: every lane of the warp takes part.
+inline uint4 quad_transpose(uint *w, uint t)
+{
+    #pragma unroll
+    for (uint bit = 2; bit > 0; bit >>= 1) {
+        #pragma unroll
+        for (uint j = 0; j < 4; ++j) {
+            if (j & bit)
+                continue;
+            // words j and j + bit: the one whose bit differs from t's goes to the partner, which sends its own back there
+            const bool high = (t & bit) != 0;
+            const uint lo = w[j], hi = w[j + bit], got = lane_xor(high ? lo : hi, bit);
+            w[j] = high ? got : lo;
+            w[j + bit] = high ? hi : got;
+        }
+    }
+    return (uint4)(w[0], w[1], w[2], w[3]);
+}
+% endif
 </%def>
 
 ## The PTX of `decls` emulated with 32-wide sub-groups (cl_intel_subgroups with
@@ -213,6 +243,10 @@ inline float quad_sum(float x)
 {
     x += intel_sub_group_shuffle_xor(x, 1u);
     return x + intel_sub_group_shuffle_xor(x, 2u);
+}
+inline uint lane_xor(uint x, uint mask)
+{
+    return intel_sub_group_shuffle_xor(x, mask);
 }
 inline float lane_value(float x, uint src)
 {

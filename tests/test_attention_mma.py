@@ -285,7 +285,7 @@ def test_path_choice(queue, monkeypatch):
 # lean, as each case builds its kernels emulated, seconds apiece: f16 in the forward only (the backward's
 # driver is the same for both 16-bit kinds); the backward with dS recomputed (the default below hd 256),
 # and stored once. (way, head dim, dtype, keywords)
-EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
+EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
             ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2}}),
             ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1})),
@@ -295,7 +295,7 @@ EMULATED = [("fwd", 64, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2)
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
-                         ids=["bf16-64", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40-q-read",
+                         ids=["bf16-128", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40-q-read",
                               "bf16-48-sliding-2-two-stages", "bwd-bf16-sliding-2-two-stages",
                               "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
