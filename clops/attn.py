@@ -542,13 +542,20 @@ def _bwd_mma_heuristic(pass_):
             # the A operands held in registers (dq at hd 256 too, spilling: 4.50 ms against 5.77 read at
             # each step)
             p = {"nw": 8 if big and pass_ == "dq" else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
-            if sc["product"] == "tf32x3" and big:  # not yet swept: A operands read at each step (L1)
+            # tf32x3 reads its A operands at each step (L1) where holding them costs more: dq above hd 64,
+            # dkv above hd 128 (an H100's sweeps, 2026-12-06, tf32x3 at hd 128: dkv 15.1 ms held against
+            # 20.3 read, dq 10.2 read against 12.7 at best held; at hd 256 read at each step both)
+            if sc["product"] == "tf32x3" and sc["hd"] > (64 if pass_ == "dq" else 128):
                 p["af"] = 2
         else:
             p = {"nw": 2, "bk": 16, "af": 1}
-        if pass_ == "dq":  # 16-bit up to hd 64: 32 keys in two buffers (an H100, 2026-12-06: 0.187 ms against 0.209)
-            two = gpu and sc["product"] in ("bf16", "f16") and sc["hd"] <= 64
-            p.update({"stages": 2, "bk": 32} if two else {"stages": 1})
+        if pass_ == "dq":
+            # the matrix units up to hd 64: 32 keys, in two buffers at 16 bits (an H100, 2026-12-06: bf16
+            # 0.187 ms against 0.209 at 64 keys in one; tf32x3 0.863 against 0.963 in one buffer)
+            small = gpu and sc["product"] != "fma" and sc["hd"] <= 64
+            p["stages"] = 2 if small and sc["product"] in ("bf16", "f16") else 1
+            if small:
+                p["bk"] = 32
         if pass_ == "dkv":
             p["cs"] = 2 if big and gpu and sc["hd"] % 16 == 0 else 1
             p["sx"] = 2 if big and gpu and sc["hd"] % 32 == 0 else 1
