@@ -6,6 +6,16 @@
 ## flow: it holds barriers. Fixed pairing order, so results are deterministic.
 ## `fence`: the flags of the last barrier (add_rms_norm_fwd's orders the global
 ## reads before it too).
+## A hint to bring the vector at `addr` (a __global pointer expression) into the caches: PTX's
+## prefetch.global.L2 with `ptx` (NVIDIA's OpenCL prefetch() does nothing measurable), else OpenCL's
+## prefetch. Not a read: neither guarded nor checked.
+<%def name="prefetch(addr, ptx)">\
+% if ptx:
+asm volatile("prefetch.global.L2 [%0];" :: "l"(${addr}))\
+% else:
+prefetch(${addr}, 1)\
+% endif
+</%def>
 <%def name="group_sum(result, val, scratch, lid, wg, fence='CLK_LOCAL_MEM_FENCE')">
     ${scratch}[${lid}] = ${val};
     barrier(CLK_LOCAL_MEM_FENCE);

@@ -352,16 +352,11 @@ ${load_units("u0", "")}\
                 const uint s = t + k * TPU;
                 if (LIVE(k, s)) {
 %   for a in ("dy", "x"):
-%     for j in ["FIRST(k, s)"] + (["s + NP"] if half else []):
-%       if j != "FIRST(k, s)":
+                    ${common.prefetch("%s + base + UPG * HV + FIRST(k, s)" % a, ptx)};
+%     if half:
                     if (PAIR(k, s))
-%       endif
-%       if ptx:
-                    asm volatile("prefetch.global.L2 [%0];" :: "l"(${a} + base + UPG * HV + ${j}));
-%       else:
-                    prefetch(${a} + base + UPG * HV + ${j}, 1);
-%       endif
-%     endfor
+                        ${common.prefetch("%s + base + UPG * HV + s + NP" % a, ptx)};
+%     endif
 %   endfor
                 }
             }

@@ -381,11 +381,7 @@ ${load_step("first + seg", resid)}\
                 const uint j = t + k * TPR;
                 if (j < dv) {
 %   for a in ["x", "dy"] + (["ds"] if resid else []):
-%     if ptx:
-                    asm volatile("prefetch.global.L2 [%0];" :: "l"(${a} + base + RPG * dv + j));
-%     else:
-                    prefetch(${a} + base + RPG * dv + j, 1);
-%     endif
+                    ${common.prefetch("%s + base + RPG * dv + j" % a, ptx)};
 %   endfor
                 }
             }
