@@ -124,27 +124,6 @@ ${coefficient_loop(p, ds, qi, kj, nl2, dd, True)}\
     }
 </%def>
 
-## Store accumulator rows row0 + g (+ 8) inside the sequence, columns col0 .. col0 + 8·ncol, to dst at base, row stride `stride`.
-<%def name="store_rows(acc, dst, base, stride, col0='0', ncol='HD / 8')">
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const uint ri = row0 + g + 8 * r;
-        if (ri < T) {
-            const idx_t row = ${base} + (idx_t)ri * ${stride};
-            #pragma unroll
-            for (int n = 0; n < ${ncol}; ++n) {
-                const float x0 = ${acc}[n][2 * r], x1 = ${acc}[n][2 * r + 1];
-% if narrow:
-                *(__global uint *)(${dst} + ${at(dst, "row + %s + 8 * n + 2 * t" % col0, 2)}) =
-                    (uint)clops_float_to_${st}(x0) | ((uint)clops_float_to_${st}(x1) << 16);
-% else:
-                *(__global float2 *)(${dst} + ${at(dst, "row + %s + 8 * n + 2 * t" % col0, 2)}) = (float2)(x0, x1);
-% endif
-            }
-        }
-    }
-</%def>
-
 ## dkv with sx 2: the warp's partial tile x[BK/8][4] into xch (lane-minor), and the pair's added to it
 ## (own + pair's in each warp of the pair: the same bits in both, addition commuting).
 <%def name="share(x)">\
@@ -333,7 +312,7 @@ ${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
 ${tp.commit(kind)}\
 % endif
     }
-    ${store_rows("acc", "dq", "qbase", "qstride")}
+${tp.store_rows(st, "acc", "dq", "qbase", "qstride")}\
 }
 % elif pass_ == "dkv":
 #define KG (16 * NW / ${sx})  // keys a group
@@ -464,8 +443,8 @@ ${stage_block("blk + 1", "q")}\
 ${tp.commit(kind)}\
         }
     }
-    ${store_rows("dva", "dv", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}
-    ${store_rows("dka", "dk", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}
+${tp.store_rows(st, "dva", "dv", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}\
+${tp.store_rows(st, "dka", "dk", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}\
 }
 % else:
 // D = Σ dO·O of each (token, head) row, one work-item a row, summed as dq's lanes sum it.
@@ -554,6 +533,6 @@ ${tp.pv(kind, st, False, visible, p="dp", bs="ks", words="dsv" if words else Non
 ${tp.pv(kind, st, False, visible, p="dp", bs="ks", words="dsv" if words else None)}\
 % endif
     }
-    ${store_rows("acc", "dq", "qbase", "qstride")}
+${tp.store_rows(st, "acc", "dq", "qbase", "qstride")}\
 }
 % endif

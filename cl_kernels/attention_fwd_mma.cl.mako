@@ -241,49 +241,16 @@ ${tp.pv(kind, st, False, visible)}\
     }
     // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.
 ${tp.quad(kind, "sum", "l[0]", "l[1]")}\
-% if narrow and kind != "fma" and hd % 32 == 0 and hd >= 128:
-    // O in 16-byte stores: four tiles' words of a row transposed across the quad (every lane, rows past
-    // the sequence too), then each lane stores one tile's 8 columns of the row. (An H100, 2026-12-06, bf16,
+    // O from hd 128 at 16 bits in 16-byte stores (tile_products.store_rows). (An H100, 2026-12-06, bf16,
     // against 4-byte stores, forward TFLOP/s: hd 256 causal 266-269 / 265, softcap 258 / 246, sliding-512
     // 190-191 / 186-188; hd 128 causal 253 / 251; hd 64, 12 registers more, sliding-512 164-166 / 176-178.)
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const uint qi = row0 + g + 8 * r;
-        const idx_t row = qbase + (idx_t)qi * qstride;
-        const float inv = 1.0f / l[r];
+${tp.store_rows(st, "acc", "o", "qbase", "qstride", scale="1.0f / l[r]", wide=narrow and kind != "fma" and hd % 32 == 0 and hd >= 128)}\
+    if (t == 0) {
         #pragma unroll
-        for (int c = 0; c < HD / 32; ++c) {
-            uint w[4];
-            #pragma unroll
-            for (int u = 0; u < 4; ++u)
-                w[u] = (uint)clops_float_to_${st}(acc[4 * c + u][2 * r] * inv) |
-                       ((uint)clops_float_to_${st}(acc[4 * c + u][2 * r + 1] * inv) << 16);
-            const uint4 x = quad_transpose(w, t);
+        for (int r = 0; r < 2; ++r) {
+            const uint qi = row0 + g + 8 * r;
             if (qi < T)
-                *(__global uint4 *)(o + ${at("o", "row + 32 * c + 8 * t", 8)}) = x;
-        }
-        if (qi < T && t == 0)
-            lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[r] * M_LN2_F + log(l[r]);
-    }
-% else:
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const uint qi = row0 + g + 8 * r;
-        if (qi < T) {
-            const idx_t row = qbase + (idx_t)qi * qstride;
-            const float inv = 1.0f / l[r];
-            #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                const float x0 = acc[n][2 * r] * inv, x1 = acc[n][2 * r + 1] * inv;
-% if narrow:
-                *(__global uint *)(o + ${at("o", "row + 8 * n + 2 * t", 2)}) =
-                    (uint)clops_float_to_${st}(x0) | ((uint)clops_float_to_${st}(x1) << 16);
-% else:
-                *(__global float2 *)(o + ${at("o", "row + 8 * n + 2 * t", 2)}) = (float2)(x0, x1);
-% endif
-            }
-            if (t == 0) lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[r] * M_LN2_F + log(l[r]);
+                lse[${at("lse", "((idx_t)%s + qi) * nh + h" % tok0)}] = m[r] * M_LN2_F + log(l[r]);
         }
     }
-% endif
 }

@@ -571,6 +571,51 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 % endif
 </%def>
 
+## Store accumulator rows row0 + g (+ 8) inside the sequence, columns col0 .. col0 + 8·ncol, each times
+## `scale` (a C expression of the row half r, or None), to dst (storage type st) at base, row stride
+## `stride`. `wide` (the 16-bit matrix-unit kinds, 32 dividing 8·ncol, col0 a multiple of 8): four tiles'
+## words of a row transposed across the quad (quad_transpose), then 16-byte stores, a tile's 8 columns a
+## lane; every lane of the warp runs it.
+<%def name="store_rows(st, acc, dst, base, stride, col0='0', ncol='HD / 8', scale=None, wide=False)">
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint ri = row0 + g + 8 * r;
+        const idx_t row = ${base} + (idx_t)ri * ${stride};
+% if scale:
+        const float sc = ${scale};
+<% x = lambda v: "%s * sc" % v %>\
+% else:
+<% x = lambda v: v %>\
+% endif
+% if wide:
+        #pragma unroll
+        for (int c = 0; c < (${ncol}) / 4; ++c) {  // rows past the sequence too: the shuffles take every lane
+            uint w[4];
+            #pragma unroll
+            for (int u = 0; u < 4; ++u)
+                w[u] = (uint)clops_float_to_${st}(${x("%s[4 * c + u][2 * r]" % acc)}) |
+                       ((uint)clops_float_to_${st}(${x("%s[4 * c + u][2 * r + 1]" % acc)}) << 16);
+            const uint4 y = quad_transpose(w, t);
+            if (ri < T)
+                *(__global uint4 *)(${dst} + ${at(dst, "row + %s + 32 * c + 8 * t" % col0, 8)}) = y;
+        }
+% else:
+        if (ri < T) {
+            #pragma unroll
+            for (int n = 0; n < ${ncol}; ++n) {
+                const float x0 = ${x("%s[n][2 * r]" % acc)}, x1 = ${x("%s[n][2 * r + 1]" % acc)};
+%   if st != "float":
+                *(__global uint *)(${dst} + ${at(dst, "row + %s + 8 * n + 2 * t" % col0, 2)}) =
+                    (uint)clops_float_to_${st}(x0) | ((uint)clops_float_to_${st}(x1) << 16);
+%   else:
+                *(__global float2 *)(${dst} + ${at(dst, "row + %s + 8 * n + 2 * t" % col0, 2)}) = (float2)(x0, x1);
+%   endif
+            }
+        }
+% endif
+    }
+</%def>
+
 ## Staging without registers (the drivers): rows r0 .. r0 + BK - 1 of src (from `base`,
 ## row stride `stride`; rows past T zero) copied into dst[row * KS + d], 16 bytes a copy, by
 ## cp.async on the matrix-unit kinds (in flight until `landed`), by plain loads and stores on fma.
