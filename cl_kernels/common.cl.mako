@@ -1,11 +1,6 @@
 ## Shared OpenCL snippets for clops templates (include with <%namespace>).
 ## Python string helpers (vtype, vload, vstore) come from clops.program.render.
 
-## Sum of `val` over the WG work-items of a group, through `scratch` (WG floats
-## of local memory); every work-item gets the result. Call in uniform control
-## flow: it holds barriers. Fixed pairing order, so results are deterministic.
-## `fence`: the flags of the last barrier (add_rms_norm_fwd's orders the global
-## reads before it too).
 ## A hint to bring the vector at `addr` (a __global pointer expression) into the caches: PTX's
 ## prefetch.global.L2 with `ptx` (NVIDIA's OpenCL prefetch() does nothing measurable), else OpenCL's
 ## prefetch. Not a read: neither guarded nor checked.
@@ -16,6 +11,12 @@ asm volatile("prefetch.global.L2 [%0];" :: "l"(${addr}))\
 prefetch(${addr}, 1)\
 % endif
 </%def>
+
+## Sum of `val` over the WG work-items of a group, through `scratch` (WG floats
+## of local memory); every work-item gets the result. Call in uniform control
+## flow: it holds barriers. Fixed pairing order, so results are deterministic.
+## `fence`: the flags of the last barrier (add_rms_norm_fwd's orders the global
+## reads before it too).
 <%def name="group_sum(result, val, scratch, lid, wg, fence='CLK_LOCAL_MEM_FENCE')">
     ${scratch}[${lid}] = ${val};
     barrier(CLK_LOCAL_MEM_FENCE);
