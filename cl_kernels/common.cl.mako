@@ -17,7 +17,26 @@ prefetch(${addr}, 1)\
 ## flow: it holds barriers. Fixed pairing order, so results are deterministic.
 ## `fence`: the flags of the last barrier (add_rms_norm_fwd's orders the global
 ## reads before it too).
-<%def name="group_sum(result, val, scratch, lid, wg, fence='CLK_LOCAL_MEM_FENCE')">
+<%def name="group_sum(result, val, scratch, lid, wg, fence='CLK_LOCAL_MEM_FENCE', ptx=0)">
+% if ptx and wg % 32 == 0 and wg >= 64:
+    // NVIDIA (ptx): each warp's sum by a butterfly of shuffles (the same bits in all its lanes, addition
+    // commuting), then the warps' sums added in warp order from `scratch` by every work-item: two
+    // barriers where the tree takes log2(wg) + 2.
+    {
+        float v_ = ${val}, o_;
+% for m in (16, 8, 4, 2, 1):
+        asm volatile("shfl.sync.bfly.b32 %0, %1, ${m}, 0x1f, 0xffffffff;" : "=f"(o_) : "f"(v_));
+        v_ += o_;
+% endfor
+        if ((${lid} & 31) == 0)
+            ${scratch}[${lid} / 32] = v_;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float ${result} = ${scratch}[0];
+    for (uint w_ = 1; w_ < ${wg // 32}; ++w_)
+        ${result} += ${scratch}[w_];
+    barrier(${fence});
+% else:
     ${scratch}[${lid}] = ${val};
     barrier(CLK_LOCAL_MEM_FENCE);
 % for s in [2**i for i in range(20, -1, -1) if 2**i < wg]:
@@ -26,6 +45,7 @@ prefetch(${addr}, 1)\
 % endfor
     const float ${result} = ${scratch}[0];
     barrier(${fence});
+% endif
 </%def>
 
 <%!

@@ -22,7 +22,8 @@
 // its own to local scratch, one barrier, then each adds its unit's TPU values
 // in a fixed order (the same bits in all of them); over 32 work-items a unit,
 // a fixed-order tree (common.group_sum) instead; at one work-item a unit, its
-// own sum (no barrier).
+// own sum (no barrier). On NVIDIA (ptx) a unit of a power of two ≤ 32
+// work-items adds by a butterfly of warp shuffles instead, no barrier.
 //
 // Backward: group g walks the units [g·per_group, g·per_group + per_group)
 // (the host's clops.norm.bwd_dw_groups), UPG at a time; each work-item adds
@@ -158,7 +159,18 @@ def cos_sin(vw):
 % if tpu == 1:
     const float ${result} = ${val};
 % elif tpu > 32:
-    ${common.group_sum(result, val, "(" + buf + " + seg * TPU)", "t", tpu)}
+    ${common.group_sum(result, val, "(" + buf + " + seg * TPU)", "t", tpu, ptx=ptx)}
+% elif ptx and tpu & (tpu - 1) == 0:
+    // NVIDIA: the unit's work-items, a power of two inside one warp, add by a butterfly of shuffles (the
+    // same bits in all of them), no barrier
+    float ${result} = ${val};
+%   for m in [1 << i for i in range(tpu.bit_length() - 1)]:
+    {
+        float o_;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, ${m}, 0x1f, 0xffffffff;" : "=f"(o_) : "f"(${result}));
+        ${result} += o_;
+    }
+%   endfor
 % else:
     ${buf}[lid] = ${val};
     barrier(CLK_LOCAL_MEM_FENCE);

@@ -145,7 +145,7 @@ void rms_norm_fwd(__global ${vptr(st, vw)} *restrict y, __global float *restrict
         const vec sq = v * v;
         ss += ${lanes_sum(vw, "sq")};
     }
-    ${common.group_sum("total", "ss", "row_scratch", "t", tpr)}
+    ${common.group_sum("total", "ss", "row_scratch", "t", tpr, ptx=ptx)}
     const float q = total / d + eps;
     // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
     const float inv = 1.0f / sqrt(q);
@@ -207,7 +207,7 @@ void add_rms_norm_fwd(__global ${vptr(st, vw)} *restrict s_out, __global ${vptr(
     }
     // The sum's last barrier also fences global memory: the row's reads of a and b above come
     // before the slow path's writes of s and y there (in place) by another work-item.
-    ${common.group_sum("total", "ss", "row_scratch", "t", tpr, "CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE")}
+    ${common.group_sum("total", "ss", "row_scratch", "t", tpr, "CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE", ptx)}
     const float q = total / d + eps;
     const float inv = 1.0f / sqrt(q);
     if (!ok)
@@ -275,7 +275,7 @@ void rms_norm_bwd(__global ${vptr(st, vw)} *restrict dx, __global const ${vptr(s
 % endif
         s = ${lanes_dot(vw, "s", "gv", "xv")};
     }
-    ${common.group_sum("total", "s", "row_scratch", "t", tpr)}
+    ${common.group_sum("total", "s", "row_scratch", "t", tpr, ptx=ptx)}
     if (!ok)
         return;
     if (${common.bwd_scaled("iv")}) {
@@ -422,7 +422,7 @@ ${load_step("row + RPG", resid)}\
             s = ${lanes_dot(vw, "s", "gv", "xv")};
         }
 % endif
-        ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg)}
+        ${common.group_sum("total", "s", "row_scratch", "t", wg // rpg, ptx=ptx)}
         const float coef = total / d * iv * iv * iv;
         // Rows whose inv is outside [2^−32, 2^32] (common.bwd_scaled) are the second walk's, below.
         const bool plain = ok && !${common.bwd_scaled("iv")};

@@ -275,7 +275,7 @@ def _row_plan(queue, spec, name, n, d, st, wst):
     sc = {"d": d, "st": st}
     p = spec.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)  # row offsets of the last group's rows, past n too
-    _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst)
+    _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst, ptx=int(runtime.nvidia(queue.device)))
     sizes = [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
     return knl[name], (-(-n // p["rpg"]),), sizes
 
