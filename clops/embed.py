@@ -10,11 +10,13 @@ rounded once (a given dtable's rows without tokens are left as they are). Ids ou
 ``[0, vocab)`` are refused when they come from the host; on the device they read nothing (their
 output row is zeros, their gradient is dropped) and, when an int32 ``[1]`` device array
 ``invalid=`` is given, are counted into it. The gradient sorts the (id, token) pairs on the
-device (a bitonic sort, no float atomics), finds each vocab row's run of them, and adds each
-vocab row's token rows in token order: the same bits every run.
+device (a bitonic sort into at most ``RUNS`` sorted runs of consecutive tokens, no float atomics),
+finds each vocab row's tokens in each run, and adds each vocab row's token rows run by run, in token
+order: the same bits every run.
 
 Tuning: op ``"embedding"``, shape class ``{}``, parameter ``wg``: work-items per group (a power
-of two; the sort works on blocks of ``8·wg`` keys in local memory).
+of two; the sort works on blocks of ``8·wg`` keys in local memory, and merges them only into runs of
+``max(8·wg, NP / RUNS)`` keys, NP the ids rounded up to a power of two).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from .args import (F32, FLOATS, I32, check_array, check_index, check_queue, even
 from .spec import Spec
 
 
+RUNS = 16  # sorted runs the gradient reads at most (merge passes only beyond RUNS blocks of keys)
+
+
 def heuristic(dev, sc):
     return {"wg": int(min(256 if dev.type & cl.device_type.GPU else 64, dev.max_work_group_size))}
 
@@ -33,7 +38,7 @@ def heuristic(dev, sc):
 SPEC = Spec("embedding", "embedding.cl.mako", ("wg",), lambda sc: {"wg": [32, 64, 128, 256, 512]}, heuristic,
             rules=lambda p, sc: ((p["wg"] & (p["wg"] - 1) == 0, "wg must be a power of two"),),
             local_bytes=lambda p, sc: 64 * p["wg"],
-            render=lambda p, sc: dict(p, st="float", gst="float", unit="uint", vw=1),  # each call passes its own
+            render=lambda p, sc: dict(p, st="float", gst="float", unit="uint", vw=1, runs=RUNS),  # each call passes its own
             doc="embedding and embedding_bwd: wg work-items per group")
 
 
@@ -102,29 +107,32 @@ def embedding_bwd(queue, ids, dout, *, vocab, dtable=None, invalid=None, wait_fo
     ids = upload_index(queue, ids, allocator)  # a host array's copy, once every argument is checked
     # the gradient's vectors: 16 bytes of dtable, or the widest vector that divides d
     vw = next(w for w in (8, 4, 2, 1) if w * dtable.dtype.itemsize <= 16 and d % w == 0)
-    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, grad_dtype=dtable.dtype, vw=vw)
+    wg, knl = _kernels(queue, invalid, dout.dtype, n * d, vocab * d, RUNS * (vocab + 1), grad_dtype=dtable.dtype, vw=vw)
     block = 8 * wg
     padded = max(block, 1 << (n - 1).bit_length())  # a power of two, a multiple of the block
+    run = max(block, padded // RUNS)  # keys of a sorted run: merged no further
+    runs = padded // run
     keys = scratch(queue, 2 * padded, allocator)  # ulong keys
-    start = scratch(queue, vocab + 1, allocator)  # uint: each vocab row's first key
+    start = scratch(queue, runs * (vocab + 1), allocator)  # uint: each vocab row's first key in each run
     evts = [knl["embedding_keys"](queue, (padded // block,), [keys, ids.base_data] + ([invalid.base_data] if invalid is not None else [])
-                                  + [np.uint32(n), np.uint32(vocab)], wait_for=events(wait_for, ids, invalid))]
+                                  + [np.uint32(n), np.uint32(vocab), np.uint32(run)], wait_for=events(wait_for, ids, invalid))]
 
     def then(name, groups, *args):  # each kernel waits on the one before
-        evts.append(knl[name](queue, (groups,), [*args], wait_for=evts[-1:]))
+        evts.append(knl[name](queue, groups, [*args], wait_for=evts[-1:]))
 
     size = 2 * block
-    while size <= padded:
+    while size <= run:
         stride = size // 2
         while stride >= block:  # two strides a launch while both are ≥ the block
             both = stride // 2 >= block
-            then("bitonic_global", padded // 4 // wg, keys, np.uint32(size), np.uint32(stride), np.int32(both))
+            then("bitonic_global", (padded // 4 // wg,), keys, np.uint32(size), np.uint32(stride), np.int32(both),
+                 np.uint32(run))
             stride //= 4 if both else 2
-        then("bitonic_block", padded // block, keys, np.uint32(size))
+        then("bitonic_block", (padded // block,), keys, np.uint32(size), np.uint32(run))
         size *= 2
-    then("embedding_offsets", -(-(vocab + 1) // wg), start, keys, np.uint32(padded), np.uint32(vocab))
+    then("embedding_offsets", (-(-(vocab + 1) // wg), runs), start, keys, np.uint32(run), np.uint32(vocab))
     evt = knl["embedding_accumulate"](queue, (vocab,), [dtable.base_data, dout.base_data, keys, start, np.uint32(d),
-                                                        np.int32(accumulate)],
+                                                        np.int32(accumulate), np.uint32(runs), np.uint32(vocab)],
                                       wait_for=evts[-1:] + events(None, dtable, dout))
     hold([evt], keys, start, ids, dout, dtable, invalid)
     if invalid is not None:

@@ -487,15 +487,19 @@ def run_embedding(queue):
     import pyopencl.array as cla
 
     import clops
-    from clops import reference as ref, tuning
+    from clops import embed, reference as ref, tuning
     from clops.reference import rnd
 
+    runs = embed.RUNS
     ids = np.random.default_rng(3).integers(-1, 10, 100).astype(np.int32)  # some out of range
     i_ = cla.to_device(queue, ids)
     for d in (5, 8):  # the gradient's rows element by element, then in vectors of 4
         table, dout = rnd((9, d), 1), rnd((100, d), 2)
         t_, d_ = (cla.to_device(queue, a) for a in (table, dout))
-        for params in _tiles({"wg": 4}, None):  # 100 ids, blocks of 32 keys: every kind of sort pass
+        for params in _tiles({"wg": 4}, None):
+            # 100 ids, blocks of 32 keys merged into one run (RUNS 1): every kind of sort pass; the device's
+            # tiles read their sorted blocks as runs
+            embed.RUNS = 1 if params else runs
             tuning.override("embedding", {}, params)
             invalid = cla.to_device(queue, np.zeros(1, np.int32))  # written from the host: initialised for oclgrind
             _expect("embedding", clops.embedding(queue, t_, i_, invalid=invalid), ref.embedding(table, ids), 0)
@@ -508,6 +512,7 @@ def run_embedding(queue):
             _expect(f"embedding_bwd {dtype}", clops.embedding_bwd(queue, i_, cla.to_device(queue, d16), vocab=9),
                     ref.embedding_bwd(ids, d16, 9), NARROW_TOL)
     tuning.override("embedding", {}, None)
+    embed.RUNS = runs
 
 
 # family: (runner, the templates whose every kernel the runner must launch)
