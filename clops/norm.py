@@ -8,7 +8,8 @@ place.
 
 The gain gradient ``dw = Σ_rows dy·x·inv`` comes from ``rms_norm_dw`` alone (two kernels) or with
 ``dx`` in one read of ``x`` and ``dy`` (``rms_norm_bwd(..., want_dw=True)`` or ``dw=``, and
-``add_rms_norm_bwd``): a row kernel whose groups each walk a block of rows, keeping their
+``add_rms_norm_bwd``): a row kernel whose groups walk the rows strided (group g of G the rows g,
+g + G, ...: the groups' rows of a moment lie close together), keeping their
 columns' sums in registers, then a column sum of the groups' partial rows — fixed orders, no
 atomics, the same bits on every run.
 
@@ -336,12 +337,10 @@ def rms_norm_bwd(queue, x, w, inv, dy, *, eps=1e-6, gemma=False, dx=None, dw=Non
 
 
 def bwd_dw_groups(dev, p, n, min_steps=MIN_STEPS):
-    """(groups, rows per group) of a one-pass backward over ``n`` rows with parameters ``p``: at most
-    ``gpc`` groups per compute unit, each walking at least ``min_steps`` steps of ``rpg`` rows."""
+    """The groups of a one-pass backward over ``n`` rows with parameters ``p``: at most ``gpc`` per compute
+    unit, each walking at least ``min_steps`` steps of ``rpg`` rows (group g the steps g, g + groups, ...)."""
     steps = -(-n // p["rpg"])
-    groups = max(1, min(-(-steps // min_steps), p["gpc"] * dev.max_compute_units))
-    per_group = -(-steps // groups) * p["rpg"]
-    return -(-n // per_group), per_group
+    return max(1, min(steps // min_steps, p["gpc"] * dev.max_compute_units))
 
 
 def _bwd_dw_plan(queue, name, n, d, st, wst):
@@ -349,9 +348,8 @@ def _bwd_dw_plan(queue, name, n, d, st, wst):
     p = spec.params(queue.device, sc)
     idx = index_type((n + p["rpg"]) * d)
     _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst, ptx=int(runtime.nvidia(queue.device)))
-    groups, per_group = bwd_dw_groups(queue.device, p, n)
-    itype = index_scalar(idx)
-    return knl[name], groups, [itype(n), np.uint32(d // p["vw"]), np.float32(d)], itype(per_group)
+    groups = bwd_dw_groups(queue.device, p, n)
+    return knl[name], groups, [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
 
 
 def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait_for, allocator):
@@ -359,10 +357,10 @@ def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait
     column sum of its groups' partial sums into ``dw``; returns ``(dx, dw)``."""
     n, d = x.shape
     st, wst = storage(x.dtype), storage(w.dtype)
-    knl, groups, sizes, per_group = _ONE_PASS[name].plan(queue, (n, d, st, wst), _bwd_dw_plan, name, n, d, st, wst)
+    knl, groups, sizes = _ONE_PASS[name].plan(queue, (n, d, st, wst), _bwd_dw_plan, name, n, d, st, wst)
     partial = scratch(queue, groups * d, allocator)  # per-group column sums
     ins = [x, w, inv, dy] + ([ds] if ds is not None else [])
-    args = [dx.base_data, partial, *(a.base_data for a in ins), *sizes, eps, gain_offset(gemma), per_group]
+    args = [dx.base_data, partial, *(a.base_data for a in ins), *sizes, eps, gain_offset(gemma)]
     evt = knl(queue, (groups,), args, wait_for=events(wait_for, dx, *ins))
     done = column_sum(queue, partial, groups, d, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dx, dw, *ins)

@@ -196,8 +196,7 @@ def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
 
 
 def _launch(queue, name, n, heads, hd, half, window, st, wst, varlen):
-    """(kernel, groups, [units, heads, window or sequences] as its scalars, the backward's units per group
-    as its index type): one memo lookup when warm."""
+    """(kernel, groups, [units, heads, window or sequences] as its scalars): one memo lookup when warm."""
     return SPEC.plan(queue, ("launch", name, n, heads, hd, half, window, st, wst, varlen), _launch_plan, name,
                      n * heads, heads, hd, half, window, st, wst, varlen)
 
@@ -205,11 +204,10 @@ def _launch(queue, name, n, heads, hd, half, window, st, wst, varlen):
 def _launch_plan(queue, name, units, heads, hd, half, window, st, wst, varlen):
     p, knl, itype_units = _plan(queue, name, units, hd, half, st, wst, varlen)
     if name == "qk_norm_rope_fwd":
-        groups, per_group = -(-units // p["upg"]), None
+        groups = -(-units // p["upg"])
     else:  # each group a partial row of dw
-        groups, per_group = bwd_dw_groups(queue.device, {"rpg": p["upg"], "gpc": p["gpc"]}, units, MIN_STEPS)
-        per_group = type(itype_units)(per_group)
-    return knl, (groups,), [itype_units, np.uint32(heads), np.uint32(window)], per_group
+        groups = bwd_dw_groups(queue.device, {"rpg": p["upg"], "gpc": p["gpc"]}, units, MIN_STEPS)
+    return knl, (groups,), [itype_units, np.uint32(heads), np.uint32(window)]
 
 
 def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seqlens=None, max_seqlen=None, out=None,
@@ -221,7 +219,7 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seq
     half, window, cu, rope = _rope(queue, rope, n, hd, window, cu_seqlens, max_seqlen)
     y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads), F32)],
                      [("x", x), ("w", w), ("rope", rope)], dtype=x.dtype)
-    knl, groups, sizes, _ = _launch(queue, "qk_norm_rope_fwd", n, heads, hd, half, window, storage(x.dtype),
+    knl, groups, sizes = _launch(queue, "qk_norm_rope_fwd", n, heads, hd, half, window, storage(x.dtype),
                                     storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
     args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
@@ -246,12 +244,12 @@ def qk_norm_rope_bwd(queue, x, w, inv, rope, dy, *, gemma=True, window=None, cu_
     accumulate = dw is not None
     dx, dw = outputs(queue, allocator, [("dx", dx, x.shape), ("dw", dw, (hd,), w.dtype)],
                      [("x", x), ("w", w), ("inv", inv), ("rope", rope), ("dy", dy)], dtype=x.dtype)
-    knl, groups, sizes, per_group = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window,
-                                            storage(x.dtype), storage(w.dtype), int(cu is not None))
+    knl, groups, sizes = _launch(queue, "qk_norm_rope_bwd", n, heads, hd, half, window,
+                                 storage(x.dtype), storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
     partial = scratch(queue, groups[0] * hd, allocator)  # per-group column sums
     args = [dx.base_data, partial, x.base_data, w.base_data, inv.base_data] + ([rope.base_data] if half else [])
-    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, *sizes, gain_offset(gemma), per_group]
+    args += ([cu.base_data] if cu is not None else []) + [dy.base_data, *sizes, gain_offset(gemma)]
     evt = knl(queue, groups, args, wait_for=events(wait_for, dx, x, w, inv, rope, cu, dy))
     done = column_sum(queue, partial, groups[0], hd, dw, accumulate, wait_for=[evt], allocator=allocator)
     hold([done], partial, dx, dw, x, w, inv, rope, cu, dy)
