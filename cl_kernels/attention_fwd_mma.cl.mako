@@ -22,6 +22,7 @@
 // of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and
 // V (1, or 2: a block's staged during the whole block before it, one barrier a block); FUSE: the score
 // coefficient c is positive (the host's test), so that the scale can wait for the softmax's fma.
+// CAPREF (softcap at most clops.attn.CAPREF_MAX): cap is every row's reference max, no row maxima.
 // AF: the matrix-unit products take the warp's Q fragments once, held in registers (1), or from
 // global memory at each key block, L1-cached (2: fewer registers; tf32x3 at hd 256 holds Q and O
 // in 256 floats a lane otherwise).
@@ -60,7 +61,9 @@
 % else:
                     s[j][e] = ${score("s[j][e]")};
 % endif
+% if not capref:
                     mx[e >> 1] = fmax(mx[e >> 1], s[j][e]);
+% endif
                 }
             }
 </%def>\
@@ -109,7 +112,14 @@ ${tp.locals(kind)}\
         #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     }
+% if capref:
+    // CAPREF: the capped scores lie below cap, each row's reference max from the start (P = 2^(capped − cap)
+    // ≥ 2^(−2·cap) ≥ 2^−100, far from float32's underflow): no row maxima, no rescale of O
+    const float m[2] = {cap, cap};
+    float l[2] = {0.0f, 0.0f};  // rows g and g + 8
+% else:
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+% endif
 % if softcap:
     const float cr = c * 2.88539008f, cap2 = 2.0f * cap;  // softcap_neg_r's u = cr·score; capped = fma(cap2, −r, cap)
 % endif
@@ -170,13 +180,28 @@ ${tp.commit(kind)}\
         }
 ${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
         // Scale${" (and cap)" if softcap else ""}, masking only in blocks that hold a key some row does not
-        // see (uniform across the group); row maxima across the quad.
+        // see (uniform across the group)${"" if capref else "; row maxima across the quad"}.
+% if not capref:
         float mx[2] = {-INFINITY, -INFINITY};
+% endif
         if (${"edge || " if edges else ""}k0 + BK > T) {
 ${scores(True)}\
         } else {
 ${scores(False)}\
         }
+% if capref:
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            #pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                #pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    s[j][2 * r + x] = softmax_exp2(s[j][2 * r + x] * cap2);  // capped − cap = cap2·(−r)
+                    l[r] += s[j][2 * r + x];
+                }
+            }
+        }
+% else:
 ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -216,6 +241,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
                 }
             }
         }
+% endif
 % if stages == 1:
 ${tp.landed(kind, 0)}\
 %   if edges:

@@ -277,8 +277,13 @@ FWD_MMA = Spec(
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
                          (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2")),
     wg=lambda p, sc: 32 * p["nw"], local_bytes=lambda p, sc: _mma_local_bytes(p, sc, p["stages"]),
-    render=lambda p, sc: {**PLAIN, "fuse": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
+    render=lambda p, sc: {**PLAIN, "fuse": 0, "capref": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
+
+
+# The matrix-unit forward takes softcap·log2 e as every row's reference max (no row maxima) up to this
+# softcap·log2 e (softcap 34.7): P = 2^(capped − cap) ≥ 2^(−2·CAPREF_MAX), far from float32's underflow.
+CAPREF_MAX = 50.0
 
 
 def _fwd_plan(queue, call):
@@ -291,7 +296,8 @@ def _fwd_plan(queue, call):
         rows = p["bq"]
     else:
         p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx,
-                                 emulate=int(mma.emulated()), fuse=int(c > 0), **call.extra())
+                                 emulate=int(mma.emulated()), fuse=int(c > 0),
+                                 capref=int(0 < call.softcap * LOG2E <= CAPREF_MAX), **call.extra())
         rows = 16 * p["nw"]
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), c]
     return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()

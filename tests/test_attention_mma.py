@@ -84,13 +84,15 @@ CU = np.array([0, 0, 1, 40, 40, 100], np.int32)  # empty sequences, one of a sin
 
 @pytest.mark.parametrize("kw", [{"window": 50, "causal": False}, {"window": 50, "sliding_window": 5},
                                 {"window": 50, "sliding_window": 7, "causal": False}, {"window": 50, "softcap": 3.0},
+                                {"window": 50, "softcap": 50.0},
                                 {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}, WINDOW_2,
                                 {"window": 50, "scale": -0.3}, {"window": 50, "sliding_window": 7, "scale": 0.0}],
-                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "varlen", "sliding-2",
-                              "negative-scale", "zero-scale"])
+                         ids=["non-causal", "sliding", "sliding-non-causal", "softcap", "softcap-50", "varlen",
+                              "sliding-2", "negative-scale", "zero-scale"])
 def test_variants(queue, product, kw):
     """Each variant; a scale ≤ 0 too, where the forward scales each score before the row max (above 0
-    the max is of the raw scores, scaled once a row)."""
+    the max is of the raw scores, scaled once a row); a softcap above attn.CAPREF_MAX·ln 2 (50), where the
+    matrix-unit forward takes row maxima again (below, the cap is every row's reference)."""
     _check(queue, 100, 4, 2, 32, **kw)
 
 
@@ -284,14 +286,15 @@ def test_path_choice(queue, monkeypatch):
 # CLOPS_MMA=emulate), through both drivers where a device has such sub-groups (Intel's CPU runtime):
 # lean, as each case builds its kernels emulated, seconds apiece: f16 in the forward only (the backward's
 # driver is the same for both 16-bit kinds); the backward with dS recomputed (the default below hd 256),
-# and stored once. (way, head dim, dtype, keywords)
+# and stored once; the softcap at 5 (the cap every row's reference) and 50 (row maxima). (way, head dim,
+# dtype, keywords)
 EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
             ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2}}),
             ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1})),
             ("bwd", 32, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "af": 1, "stages": 2}, dkv={"cs": 1, "sx": 1})),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
-            ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})]
+            ("bwd", 32, np.float32, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 50.0})]
 
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
