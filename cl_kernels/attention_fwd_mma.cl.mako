@@ -189,27 +189,17 @@ ${scores(True)}\
         } else {
 ${scores(False)}\
         }
-% if capref:
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            #pragma unroll
-            for (int j = 0; j < BK / 8; ++j) {
-                #pragma unroll
-                for (int x = 0; x < 2; ++x) {
-                    s[j][2 * r + x] = softmax_exp2(s[j][2 * r + x] * cap2);  // capped − cap = cap2·(−r)
-                    l[r] += s[j][2 * r + x];
-                }
-            }
-        }
-% else:
+% if not capref:
 ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
+% endif
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-% if fused:
+% if not capref:
+%   if fused:
             mx[r] *= c;
-% elif softcap:
+%   elif softcap:
             mx[r] = fma(cap2, mx[r], cap);
-% endif
+%   endif
             // The row's reference m (lse's too) moves only when a score passes it by more than 2^LAZY_MAX,
             // so O's rescale (HD / 2 multiplies a thread) is skipped in most blocks; meanwhile P ≤ 2^LAZY_MAX,
             // far from float32's range, and a 16-bit P keeps its relative precision. m = -inf: any key seen.
@@ -223,25 +213,30 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
                     acc[n][2 * r + 1] *= corr;
                 }
             }
-% if sliding:
+%   if sliding:
             // A row may see no key of the first blocks: m stays -inf, and mref = 0 keeps its sums 0.
             const float mref = m[r] == -INFINITY ? 0.0f : m[r];
-% else:
+%   else:
             const float mref = m[r];  // block 0 holds key 0, which every row sees: finite from the first block
-% endif
-% if softcap:
+%   endif
+%   if softcap:
             const float off = cap - mref;
+%   endif
 % endif
+<%
+    # P in the log2 domain against the row's reference: with CAPREF, capped − cap = cap2·(−r)
+    p_arg = ("s[j][2 * r + x] * cap2" if capref else "fma(s[j][2 * r + x], c, -mref)" if fused
+             else "fma(s[j][2 * r + x], cap2, off)" if softcap else "s[j][2 * r + x] - mref")
+%>\
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
                 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
-                    s[j][2 * r + x] = softmax_exp2(${"fma(s[j][2 * r + x], c, -mref)" if fused else "fma(s[j][2 * r + x], cap2, off)" if softcap else "s[j][2 * r + x] - mref"});
+                    s[j][2 * r + x] = softmax_exp2(${p_arg});
                     l[r] += s[j][2 * r + x];
                 }
             }
         }
-% endif
 % if stages == 1:
 ${tp.landed(kind, 0)}\
 %   if edges:
