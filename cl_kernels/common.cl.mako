@@ -12,6 +12,19 @@ prefetch(${addr}, 1)\
 % endif
 </%def>
 
+## `var` (a float variable) plus its values in the lanes lane ^ m, for each m of `masks` in turn (PTX
+## shfl.sync.bfly: every lane of the warp takes part); over a power of two of lanes, their sum in all of
+## them, with the same bits (addition commuting).
+<%def name="butterfly_sum(var, masks)">\
+% for m in masks:
+    {
+        float o_;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, ${m}, 0x1f, 0xffffffff;" : "=f"(o_) : "f"(${var}));
+        ${var} += o_;
+    }
+% endfor
+</%def>
+
 ## Sum of `val` over the WG work-items of a group, through `scratch` (WG floats
 ## of local memory); every work-item gets the result. Call in uniform control
 ## flow: it holds barriers. Fixed pairing order, so results are deterministic.
@@ -23,11 +36,8 @@ prefetch(${addr}, 1)\
     // commuting), then the warps' sums added in warp order from `scratch` by every work-item: two
     // barriers where the tree takes log2(wg) + 2.
     {
-        float v_ = ${val}, o_;
-% for m in (16, 8, 4, 2, 1):
-        asm volatile("shfl.sync.bfly.b32 %0, %1, ${m}, 0x1f, 0xffffffff;" : "=f"(o_) : "f"(v_));
-        v_ += o_;
-% endfor
+        float v_ = ${val};
+${butterfly_sum("v_", (16, 8, 4, 2, 1))}\
         if ((${lid} & 31) == 0)
             ${scratch}[${lid} / 32] = v_;
     }

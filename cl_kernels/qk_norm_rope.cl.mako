@@ -165,13 +165,7 @@ def cos_sin(vw):
     // NVIDIA: the unit's work-items, a power of two inside one warp, add by a butterfly of shuffles (the
     // same bits in all of them), no barrier
     float ${result} = ${val};
-%   for m in [1 << i for i in range(tpu.bit_length() - 1)]:
-    {
-        float o_;
-        asm volatile("shfl.sync.bfly.b32 %0, %1, ${m}, 0x1f, 0xffffffff;" : "=f"(o_) : "f"(${result}));
-        ${result} += o_;
-    }
-%   endfor
+${common.butterfly_sum(result, [1 << i for i in range(tpu.bit_length() - 1)])}\
 % else:
     ${buf}[lid] = ${val};
     barrier(CLK_LOCAL_MEM_FENCE);

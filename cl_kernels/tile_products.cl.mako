@@ -37,9 +37,10 @@
 // reciprocal where OpenCL's tanh costs a dozen more instructions: r's relative error of a few
 // 2^-24 on the matrix units (ex2.approx, rcp.approx), so about cap·2^-23 absolute in a capped score,
 // where the softmax sees absolute errors only (an H100, bf16: lse within 3.5e-6 at cap 30, 6.3e-6 at
-// cap 50; the tests take caps 3, 5 and 50). ±1 past ±9, NaN stays
-// NaN. softcap_neg_r(u) is −r (a capped score cap·(1 − 2r) is then one fma); on the matrix units (NVIDIA) by ex2.approx and rcp.approx directly: OpenCL's division costs
-// a range check and a slow-path call there, and neither input needs it (|1/r| lies in [1, Inf]).
+// cap 50; the tests take caps 3, 5 and 50). ±1 past ±9, NaN stays NaN. softcap_neg_r(u) is −r (a
+// capped score cap·(1 − 2r) is then one fma); on the matrix units (NVIDIA) by ex2.approx and
+// rcp.approx directly: OpenCL's division costs a range check and a slow-path call there, and neither
+// input needs it (|1/r| lies in [1, Inf]).
 inline float softcap_neg_r(float u)
 {
 % if kind == "fma" or emulate:

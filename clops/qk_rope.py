@@ -220,7 +220,7 @@ def qk_norm_rope(queue, x, w, rope, *, eps=1e-6, gemma=True, window=None, cu_seq
     y, inv = outputs(queue, allocator, [("out", out, x.shape), ("inv", inv, (n, heads), F32)],
                      [("x", x), ("w", w), ("rope", rope)], dtype=x.dtype)
     knl, groups, sizes = _launch(queue, "qk_norm_rope_fwd", n, heads, hd, half, window, storage(x.dtype),
-                                    storage(w.dtype), int(cu is not None))
+                                 storage(w.dtype), int(cu is not None))
     cu = upload_sequences(queue, cu, n, allocator)
     args = [y.base_data, inv.base_data, x.base_data, w.base_data] + ([rope.base_data] if half else [])
     args += ([cu.base_data] if cu is not None else []) + [*sizes, eps, gain_offset(gemma)]
