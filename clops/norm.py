@@ -346,7 +346,8 @@ def bwd_dw_groups(dev, p, n, min_steps=MIN_STEPS):
 def _bwd_dw_plan(queue, name, n, d, st, wst):
     sc, spec = {"d": d, "st": st}, _ONE_PASS[name]
     p = spec.params(queue.device, sc)
-    idx = index_type((n + p["rpg"]) * d)
+    # row offsets past n (the last step's rows), and the strided walk's rows up to n + groups·rpg ≤ 2n + rpg
+    idx = index_type((n + p["rpg"]) * d, 2 * n + p["rpg"])
     _, knl = spec.kernels(queue, sc, idx=idx, st=st, wst=wst, ptx=int(runtime.nvidia(queue.device)))
     groups = bwd_dw_groups(queue.device, p, n)
     return knl[name], groups, [index_scalar(idx)(n), np.uint32(d // p["vw"]), np.float32(d)]
