@@ -250,8 +250,10 @@ def _mma_heuristic(dev, sc):
     16-bit products 4 warps, 64 keys up to hd 64, 32 above, two buffers where they fit, one above (an
     H100's bf16 sweeps, 2026-12-05, causal forward: hd 128 251 TFLOP/s against 233 at 64 keys and one
     buffer, hd 64 194 against 180; hd 256 4 warps as fast as 8, and faster under a sliding window of
-    512, 185 against 155, or a softcap, 246 against 234); tf32x3 above hd 64 up to 128 4 warps and 16 keys
-    in two buffers; the others the H200's tiles, one buffer. Q held (af 1) but for tf32x3 above hd 128."""
+    512, 185 against 155, or a softcap, 246 against 234; 2 warps slower there too, 2026-12-06: sliding-512
+    143 / 154 / 130 against 190 / 199 / 173 at hd 256 / 128 / 64, and 16 or 64 keys at hd 128 190 / 187
+    against 198); tf32x3 above hd 64 up to 128 4 warps and 16 keys in two buffers; the others the H200's
+    tiles, one buffer. Q held (af 1) but for tf32x3 above hd 128."""
     if not dev.type & cl.device_type.GPU:
         return {"nw": 2, "bk": 16, "stages": 1, "af": 1}
     if sc["product"] in ("bf16", "f16"):

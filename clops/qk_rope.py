@@ -77,7 +77,11 @@ def heuristic(dev, sc):
     PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512.
     At 16-bit storage on a GPU, the same work-items a unit in groups of 128, four backward groups per
     compute unit: on an H100 (2026-12-05, bf16, forward + backward) 0.089 / 0.154 / 0.285 ms against
-    0.094 / 0.162 / 0.300 at hd 64 / 128 / 256; at float32 that layout is 1-2 % slower. There, on NVIDIA's
+    0.094 / 0.162 / 0.300 at hd 64 / 128 / 256; at float32 that layout is no faster at hd 64 and slower
+    above (an H100, 2026-12-06, % of copy forward / backward: 82-84 / 78-79 against 82-83 / 80 at hd 64,
+    83 / 90 against 95 / 89-90 at hd 128 and 256). At bf16, 16-byte loads (``vw`` 8) run hd 64's
+    forward / backward at 47 / 39 % against 71 / 56, one work-item a unit at 23 / 29, eight backward
+    groups a compute unit at 71 / 52, groups of 256 at 69 / 54. There, on NVIDIA's
     GPUs from hd 128, the backward prefetches each next step (``pf`` 2, PTX): on an H100 (2026-12-06, bf16)
     0.165 / 0.164 ms against 0.187 / 0.182 at hd 128 / 256; at hd 64 (12 steps a group) 0.056 against
     0.051; at float32 0.320 / 0.324 against 0.301 / 0.300, and ``pf`` 3 (144 registers at bf16) no faster."""
