@@ -124,12 +124,6 @@ inline void cp_async4(__local void *dst, __global const void *src, uint bytes)
                  :: "r"((uint)(size_t)dst), "l"((ulong)src), "r"(bytes) : "memory");
 }
 % if kind == "tf32x3":
-inline uint tf32(float x)
-{
-    uint r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
 inline void mma_tf32(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
 {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -165,11 +159,15 @@ inline uint pack2(float lo, float hi)
 % endif
 % endif
 % if kind == "tf32x3":
-// x = hi + lo to about 22 bits: hi its TF32 rounding, lo that of the remainder.
+// x = hi + lo to about 21 bits: hi x's TF32 rounding (to nearest, ties away: a carry into bit 13,
+// then the low 13 bits cleared; ±Inf stay), lo the exact remainder, which the unit reads truncated
+// to its top 19 bits. Three instructions where cvt.rna.tf32.f32 twice is seven (sm_90's SASS: a range
+// check, an add, a select, a mask). A NaN x's hi may be any value: its lo is NaN, and so is every
+// product it enters.
 inline void split(float x, uint *hi, uint *lo)
 {
-    *hi = tf32(x);
-    *lo = tf32(x - as_float(*hi));
+    *hi = (as_uint(x) + 0x1000u) & 0xffffe000u;
+    *lo = as_uint(x - as_float(*hi));
 }
 % endif
 % if kind != "fma":
@@ -255,12 +253,6 @@ inline float lane_value(float x, uint src)
     return intel_sub_group_shuffle(x, src);
 }
 % if kind == "tf32x3":
-// cvt.rna.tf32.f32: 10 fraction bits, to nearest with ties away from zero; NaN as the hardware's.
-inline uint tf32(float x)
-{
-    const uint u = as_uint(x);
-    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fffffffu : (u + 0x1000u) & 0xffffe000u;
-}
 // mma.sync m16n8k8 TF32: the unit reads an operand's top 19 bits. Column k of A's rows g, g + 8 is
 // in lane 4g + k % 4 (a0, a1 below k = 4, a2, a3 from it); row k of B's column c in lane 4c + k % 4.
 __attribute__((noinline)) void mma_tf32(float *d, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1)
