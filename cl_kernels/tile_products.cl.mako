@@ -522,23 +522,33 @@ ${a_words("a", "s16", src, base, stride, cols)}\
         }
 % elif kind == "tf32x3":
         // Keys permuted inside each 8: mma k-index t is key 2t, t + 4 is key 2t + 1, so P's
-        // accumulator fragment is its A fragment as it stands.
-        #pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-            uint ah[4], al[4];
-            split(${p}[j][0], &ah[0], &al[0]);
-            split(${p}[j][2], &ah[1], &al[1]);
-            split(${p}[j][1], &ah[2], &al[2]);
-            split(${p}[j][3], &ah[3], &al[3]);
+        // accumulator fragment is its A fragment as it stands. The unit rounds its sums toward zero:
+        // into acc, which runs over every block, each product would bias it by up to an ulp of acc
+        // (an H100, one window of 1024: dV 1.8e-5 from float64), so each column tile's block sum
+        // starts from zero and is added to acc, rounded to nearest (dV 4.3e-7; P's split parts held
+        // for the block: each k-step's products from zero instead holds fewer, but ran slower).
+        {  // a scope of its own: a pass may take two products in one block
+            uint ah[BK / 8][4], al[BK / 8][4];
+            #pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) split(${p}[j][(e & 1) * 2 + (e >> 1)], &ah[j][e], &al[j][e]);
+            }
             #pragma unroll
             for (int n = 0; n < ${ncol}; ++n) {
-                const float2 b = (float2)(${bs}[(8 * j + 2 * t) * KS + 8 * n + g], ${bs}[(8 * j + 2 * t + 1) * KS + 8 * n + g]);
-                uint bh[2], bl[2];
-                split(b.x, &bh[0], &bl[0]);
-                split(b.y, &bh[1], &bl[1]);
-                mma_tf32(${acc}[n], al[0], al[1], al[2], al[3], bh[0], bh[1]);
-                mma_tf32(${acc}[n], ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
-                mma_tf32(${acc}[n], ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+                float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                #pragma unroll
+                for (int j = 0; j < BK / 8; ++j) {
+                    const float2 b = (float2)(${bs}[(8 * j + 2 * t) * KS + 8 * n + g], ${bs}[(8 * j + 2 * t + 1) * KS + 8 * n + g]);
+                    uint bh[2], bl[2];
+                    split(b.x, &bh[0], &bl[0]);
+                    split(b.y, &bh[1], &bl[1]);
+                    mma_tf32(blk, al[j][0], al[j][1], al[j][2], al[j][3], bh[0], bh[1]);
+                    mma_tf32(blk, ah[j][0], ah[j][1], ah[j][2], ah[j][3], bl[0], bl[1]);
+                    mma_tf32(blk, ah[j][0], ah[j][1], ah[j][2], ah[j][3], bh[0], bh[1]);
+                }
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) ${acc}[n][e] += blk[e];
             }
         }
 % else:

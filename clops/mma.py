@@ -6,15 +6,11 @@ float32 product, float32-level accuracy), ``"bf16"`` and ``"f16"`` (16-bit stora
 accumulation) by NVIDIA's ``mma.sync`` in inline PTX, and ``"fma"``, the portable products.
 
 :func:`forward_product` gives the product the op takes on a device, or None for the portable
-kernel (``attention_fwd.cl.mako``), with the reason. At 16-bit storage NVIDIA devices take the
-matrix units once a probe kernel has built there and given the right bits for all three products
-(one run per device, on a queue of its own, waited for); every other device, or a failed probe,
-keeps the portable kernel. At float32 storage the portable kernels stay the default: tf32x3 is
-faster (an H100: forward + backward 37-49 TFLOP/s against 27-29), but the unit rounds its sums
-toward zero, and the sums run through it over a whole sequence can drift by it (one window of
-1024: dV 1.8e-5 from float64, the portable kernels' 1e-6 on a CPU, the float32 tests' bound 1e-5).
-``CLOPS_MMA=1`` takes the matrix units at
-every storage type (tf32x3 at float32), ``CLOPS_MMA=0`` none; ``CLOPS_MMA=fma`` runs the
+kernel (``attention_fwd.cl.mako``), with the reason. NVIDIA devices take the matrix units, at every
+storage type (tf32x3 at float32), once a probe kernel has built there and given the right bits for
+all three products (one run per device, on a queue of its own, waited for); every other device, or a
+failed probe, keeps the portable kernel. ``CLOPS_MMA=1`` is that default said explicitly,
+``CLOPS_MMA=0`` takes none; ``CLOPS_MMA=fma`` runs the
 matrix-unit driver with the portable products on any device (how its tests check the driver on
 the CPU runtimes); ``CLOPS_MMA=emulate`` runs the matrix-unit products themselves, their PTX
 emulated with 32-wide sub-groups (a sub-group a warp; Intel's CPU runtime), at every storage
@@ -140,9 +136,6 @@ def forward_product(queue, st):
         return "fma", "CLOPS_MMA=fma (the matrix-unit driver with portable products)"
     if mode not in ("", "1", "emulate"):
         raise ValueError(f"CLOPS_MMA: expected 0, 1, fma or emulate, got {mode!r}")
-    if st == "float" and mode == "":
-        return None, ("float32 storage keeps the portable kernels: tf32x3's long sums drift past float32's "
-                      "tolerance (CLOPS_MMA=1 takes it)")
     ok, reason = probe(queue.device, queue.context, mode == "emulate")
     return (PRODUCTS[st], reason) if ok else (None, reason)
 

@@ -1,15 +1,23 @@
-"""Attention forward against the float64 reference, on every device."""
+"""The portable attention forward (attention_fwd.cl.mako) against the float64 reference, on every
+device: CLOPS_MMA=0 here, so that on NVIDIA, where float32 takes the matrix units, these still test
+the portable kernel (the matrix units' are tests/test_attention_mma.py's)."""
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import reference as ref
+from clops import mma, reference as ref
 from clops import tuning
 from clops.attn import FWD
 
 O_TOL, LSE_TOL = 1e-5, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def portable():
+    with mma.using("0"):
+        yield
 
 
 def _inputs(windows, window, nh, nkv, hd, scale=1.0):

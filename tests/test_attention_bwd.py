@@ -1,4 +1,5 @@
-"""Attention backward against the float64 reference, on every device.
+"""The portable attention backward (attention_bwd.cl.mako) against the float64 reference, on every
+device: CLOPS_MMA=0 here, as in tests/test_attention.py.
 
 o and lse come from the reference forward (rounded to float32), so these tests
 exercise the backward alone.
@@ -11,11 +12,17 @@ import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import reference as ref
+from clops import mma, reference as ref
 from clops import tuning
 from clops.attn import BWD, store_ds_default
 
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def portable():
+    with mma.using("0"):
+        yield
 
 
 @pytest.fixture(params=[True, False], ids=["ds-stored", "ds-recomputed"])
