@@ -6,8 +6,9 @@ matrix-unit products where the probe passes (NVIDIA), at the tolerances of tests
 (float32 storage: 3xTF32 keeps them), tests/test_attention_bwd.py and tests/test_attention_narrow.py
 (16-bit storage). The backward both ways to dQ: from the dS that the dK/dV pass stored
 (``store_ds=True``) and recomputing it (``store_ds=False``, and the default). On
-NVIDIA the other attention tests run the matrix-unit forward too: it is the default there at 16-bit
-storage (tests/test_attention_narrow.py's backward takes the portable kernels by CLOPS_MMA=0).
+NVIDIA tests/test_attention_variants.py and tests/test_attention_narrow.py's forward run the matrix
+units too, the default there at every storage type (tests/test_attention.py, tests/test_attention_bwd.py
+and tests/test_attention_narrow.py's backward take the portable kernels by CLOPS_MMA=0).
 """
 import types
 
