@@ -531,6 +531,7 @@ ${a_words("a", "s16", src, base, stride, cols)}\
             uint ah[BK / 8][4], al[BK / 8][4];
             #pragma unroll
             for (int j = 0; j < BK / 8; ++j) {
+                // A word e holds (g, key 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1): P's elements 0, 2, 1, 3
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) split(${p}[j][(e & 1) * 2 + (e >> 1)], &ah[j][e], &al[j][e]);
             }

@@ -4,6 +4,7 @@ import pyopencl as cl
 import pytest
 
 import clops  # noqa: F401  (registers the pip-installed CPU runtime before the first platform query)
+from clops import mma
 from pyopencl.tools import pytest_generate_tests_for_pyopencl as pytest_generate_tests  # noqa: F401
 
 
@@ -23,6 +24,15 @@ def _tuning_reread():
     clops.tuning._overrides.update(overrides)
     clops.tuning.reload()
     clops.program.reload_switches()
+
+
+@pytest.fixture
+def portable_attention():
+    """Attention on the portable kernels (CLOPS_MMA=0) for the test: the modules that test those
+    kernels take it for every test, so that on NVIDIA, where attention takes the matrix units, they
+    still test them."""
+    with mma.using("0"):
+        yield
 
 
 @pytest.fixture

@@ -7,17 +7,13 @@ import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import mma, reference as ref
+from clops import reference as ref
 from clops import tuning
 from clops.attn import FWD
 
 O_TOL, LSE_TOL = 1e-5, 1e-6
 
-
-@pytest.fixture(autouse=True)
-def portable():
-    with mma.using("0"):
-        yield
+pytestmark = pytest.mark.usefixtures("portable_attention")
 
 
 def _inputs(windows, window, nh, nkv, hd, scale=1.0):

@@ -12,17 +12,13 @@ import pyopencl.array as cla
 import pytest
 
 import clops
-from clops import mma, reference as ref
+from clops import reference as ref
 from clops import tuning
 from clops.attn import BWD, store_ds_default
 
 TOL = 1e-5
 
-
-@pytest.fixture(autouse=True)
-def portable():
-    with mma.using("0"):
-        yield
+pytestmark = pytest.mark.usefixtures("portable_attention")
 
 
 @pytest.fixture(params=[True, False], ids=["ds-stored", "ds-recomputed"])
