@@ -252,23 +252,20 @@ def _mma_heuristic(dev, sc):
     buffer, hd 64 194 against 180; hd 256 4 warps as fast as 8, and faster under a sliding window of
     512, 185 against 155, or a softcap, 246 against 234; 2 warps slower there too, 2026-12-06: sliding-512
     143 / 154 / 130 against 190 / 199 / 173 at hd 256 / 128 / 64, and 16 or 64 keys at hd 128 190 / 187
-    against 198); tf32x3 up to hd 64 4 warps and 32 keys in one buffer, above up to 128 16 keys in two; the
-    others the H200's tiles, one buffer. Q held (af 1) but for tf32x3 above hd 128."""
+    against 198); tf32x3 4 warps and 32 keys in one buffer (16 at hd 256, where 32 do not fit); the others the
+    H200's tiles, one buffer. Q held (af 1) but above hd 128 outside the 16-bit products."""
     if not dev.type & cl.device_type.GPU:
         return {"nw": 2, "bk": 16, "stages": 1, "af": 1}
     if sc["product"] in ("bf16", "f16"):
         p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1}
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
-    elif sc["product"] == "tf32x3" and sc["hd"] <= 128:
-        # 4 warps; above hd 64 16 keys in two buffers (an H100, two sessions' sweeps, 2026-12-06: 0.94 and
-        # 0.95 times the time of the H200's tiles below, 6.28 ms against 6.59 at hd 128), up to it 32 in one
-        # (an H100's sweep the same day, P·V's sums from zero each block: 0.533 ms against 0.566 at 64 keys)
-        hd64 = sc["hd"] <= 64
-        p = {"nw": 4, "bk": 32 if hd64 else 16, "stages": 1 if hd64 else 2, "af": 1}
+    elif sc["product"] == "tf32x3":
+        # an H100's sweeps, 2026-12-06, with P·V's sums from zero each block: hd 64 0.533 ms against 0.566 at
+        # 64 keys; hd 128 5.45 against 6.04 at 16 keys in two buffers, 5.69 with 8 warps; hd 256 (16 keys)
+        # 13.20 against 14.16 with 8 warps, 17.70 with Q held (it spills)
+        p = {"nw": 4, "bk": 32, "stages": 1, "af": 2 if sc["hd"] > 128 else 1}
     else:
-        # tf32x3 at hd 256 reads Q at each block (af 2): held, it spills (an H100, 2026-12-06: 36.7
-        # TFLOP/s against 29.3)
         p = dict(_h200_tiles(sc), stages=1, af=2 if sc["hd"] > 128 else 1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
@@ -547,7 +544,10 @@ def _bwd_mma_heuristic(pass_):
         gpu = dev.type & cl.device_type.GPU
         # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
         big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
-        if pass_ == "dqs":  # not yet swept: the H200's forward tiles
+        if pass_ == "dqs" and gpu and sc["product"] == "tf32x3":
+            # an H100's sweeps, 2026-12-06: hd 128 2.97 ms against 3.08 with 8 warps; hd 256 6.74 against 7.19
+            p = {"nw": 4, "bk": 32} if sc["hd"] <= 128 else {"nw": 2, "bk": 16}
+        elif pass_ == "dqs":  # the 16-bit products not yet swept: the H200's forward tiles
             p = _h200_tiles(sc) if gpu else {"nw": 2, "bk": 16}
         elif gpu:
             # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps and 32
