@@ -209,9 +209,11 @@ def _sequences(n, window, cu_seqlens):
     return list(zip(cu[:-1], cu[1:]))
 
 
+# The attention products are einsums with optimize=True: BLAS, where the plain einsum is C loops on one
+# thread (minutes for one check of the bench's shapes, as clops tune makes).
 def _scores(qw, kw, scale, softcap):
     """(scores, tanh of the scaled scores / softcap or None): q·k·scale, capped to c·tanh(s/c)."""
-    s = np.einsum("bhqd,bhkd->bhqk", qw, kw) * scale
+    s = np.einsum("bhqd,bhkd->bhqk", qw, kw, optimize=True) * scale
     if softcap is None:
         return s, None
     t = np.tanh(s / softcap)
@@ -235,7 +237,7 @@ def attention(q, k, v, *, window=None, cu_seqlens=None, causal=True, sliding_win
         m = s.max(axis=-1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(axis=-1, keepdims=True)
-        o[a:b] = _tokens(np.einsum("bhqk,bhkd->bhqd", p / l, vw))
+        o[a:b] = _tokens(np.einsum("bhqk,bhkd->bhqd", p / l, vw, optimize=True))
         lse[a:b] = (m + np.log(l))[0, :, :, 0].T
     return o, lse
 
@@ -262,13 +264,13 @@ def attention_bwd(q, k, v, o, lse, do, *, window=None, cu_seqlens=None, causal=T
         lse_w = np.asarray(lse[a:b], dtype=np.float64).T[None, :, :, None]
         s, tanh = _scores(qw, kw, scale, softcap)
         p = np.exp(np.where(attention_mask(t, causal=causal, sliding_window=sliding_window), s - lse_w, -np.inf))
-        dp = np.einsum("bhqd,bhkd->bhqk", dow, vw)
+        dp = np.einsum("bhqd,bhkd->bhqk", dow, vw, optimize=True)
         ds = p * (dp - np.sum(dow * ow, axis=-1, keepdims=True)) * scale
         if tanh is not None:
             ds *= 1 - tanh * tanh
-        dq[a:b] = _tokens(np.einsum("bhqk,bhkd->bhqd", ds, kw))
-        dk[a:b] = _tokens(group(np.einsum("bhqk,bhqd->bhkd", ds, qw)))
-        dv[a:b] = _tokens(group(np.einsum("bhqk,bhqd->bhkd", p, dow)))
+        dq[a:b] = _tokens(np.einsum("bhqk,bhkd->bhqd", ds, kw, optimize=True))
+        dk[a:b] = _tokens(group(np.einsum("bhqk,bhqd->bhkd", ds, qw, optimize=True)))
+        dv[a:b] = _tokens(group(np.einsum("bhqk,bhqd->bhkd", p, dow, optimize=True)))
     return dq, dk, dv
 
 
