@@ -591,6 +591,10 @@ def sweep(queue, fam, sc, problem, space, path, *, runs=MIN_RUNS, warmup=2, rest
         f"configurations, {len(configs) - len(todo)} already in {path}, problem {problem}")
     case = fam.prepare(queue, sc, problem)
     check = fam.prepare(queue, sc, check_problem) if check_problem else None
+    # the float64 reference is made at the first check, before the budget's clock starts: say so, as at
+    # full-size attention problems it takes a while
+    checked_on = f"the small problem {check_problem}" if check_problem else "the timed problem"
+    out(f"checking each configuration against float64 on {checked_on}, its reference computed first, once")
     current = evaluate(queue, fam, case, sc, None, runs, warmup, check)
     out(f"current configuration ({tuning.lookup(dev, fam.op, sc)[1] or 'heuristic'}): " + _outcome(current))
     best = min((r for r in results if r["status"] == "ok"), key=lambda r: r["ms"], default=None)
@@ -751,7 +755,8 @@ def main(argv=None, queue=None):
     p.add_argument("--fresh", action="store_true", help="start over instead of resuming the results file")
     p.add_argument("--sample", type=int, help="time only this many configurations, drawn at random (--seed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, help="stop after this many seconds (the file resumes)")
+    p.add_argument("--budget-s", type=float, help="stop after this many seconds of configurations, counted from "
+                   "after the current configuration's run and the float64 reference (the file resumes)")
     p.add_argument("--no-restrictions", action="store_true",
                    help="try every configuration; the op's own checks reject the invalid ones")
     p.add_argument("--top", type=int, default=20, help="correct configurations shown in the table")
