@@ -7,7 +7,8 @@ through the public op, so the sweep never reaches into a kernel:
 
 1. the op's outputs are checked against ``clops.reference`` (float64) — on the
    timed problem, or with ``--check-small`` on the family's small problem of the
-   same shape class, which is much faster for full-size memory-bound problems; a
+   same shape class, which is much faster for full-size memory-bound problems and
+   attention (the reference is computed once, before the budget counts); a
    wrong result is reported and skipped, and so is a configuration the op rejects or
    that fails to build or launch (LimitError, ValueError, BuildError, OpenCL
    errors), each with its reason;
