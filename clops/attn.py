@@ -260,13 +260,12 @@ def _mma_heuristic(dev, sc):
         p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1}
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
-    elif sc["product"] == "tf32x3":
-        # an H100's sweeps, 2026-12-06, with P·V's sums from zero each block: hd 64 0.533 ms against 0.566 at
-        # 64 keys; hd 128 5.45 against 6.04 at 16 keys in two buffers, 5.69 with 8 warps; hd 256 (16 keys)
-        # 13.20 against 14.16 with 8 warps, 17.70 with Q held (it spills)
-        p = {"nw": 4, "bk": 32, "stages": 1, "af": 2 if sc["hd"] > 128 else 1}
     else:
-        p = dict(_h200_tiles(sc), stages=1, af=2 if sc["hd"] > 128 else 1)
+        # tf32x3 from an H100's sweeps, 2026-12-06, with P·V's sums from zero each block: hd 64 0.533 ms
+        # against 0.566 at 64 keys; hd 128 5.45 against 6.04 at 16 keys in two buffers, 5.69 with 8 warps;
+        # hd 256 (16 keys) 13.20 against 14.16 with 8 warps, 17.70 with Q held (it spills)
+        p = dict({"nw": 4, "bk": 32} if sc["product"] == "tf32x3" else _h200_tiles(sc), stages=1,
+                 af=2 if sc["hd"] > 128 else 1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
@@ -544,11 +543,15 @@ def _bwd_mma_heuristic(pass_):
         gpu = dev.type & cl.device_type.GPU
         # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
         big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
-        if pass_ == "dqs" and gpu and sc["product"] == "tf32x3":
-            # an H100's sweeps, 2026-12-06: hd 128 2.97 ms against 3.08 with 8 warps; hd 256 6.74 against 7.19
-            p = {"nw": 4, "bk": 32} if sc["hd"] <= 128 else {"nw": 2, "bk": 16}
-        elif pass_ == "dqs":  # the 16-bit products not yet swept: the H200's forward tiles
-            p = _h200_tiles(sc) if gpu else {"nw": 2, "bk": 16}
+        if pass_ == "dqs":
+            # tf32x3 from an H100's sweeps, 2026-12-06 (hd 128 2.97 ms against 3.08 with 8 warps; hd 256 6.74
+            # against 7.19); the 16-bit products not yet swept: the H200's forward tiles
+            if not gpu:
+                p = {"nw": 2, "bk": 16}
+            elif sc["product"] == "tf32x3":
+                p = {"nw": 4, "bk": 32} if sc["hd"] <= 128 else {"nw": 2, "bk": 16}
+            else:
+                p = _h200_tiles(sc)
         elif gpu:
             # measured on the H200 (bf16): dq 4 warps and 64 keys up to hd 128, above 8 warps and 32
             # keys; dkv 4 warps and 32 query rows, above hd 128 the column halves in the two warps of
