@@ -564,6 +564,10 @@ def _bwd_mma_heuristic(pass_):
             # 20.3 read, dq 10.2 read against 12.7 at best held; at hd 256 read at each step both)
             if sc["product"] == "tf32x3" and sc["hd"] > (64 if pass_ == "dq" else 128):
                 p["af"] = 2
+                # dkv's column halves in four warp pairs above hd 128 (an H100's sweep, 2026-12-06: 33.0 ms
+                # against 36.2 in two)
+                if pass_ == "dkv":
+                    p["nw"] = 8
         else:
             p = {"nw": 2, "bk": 16, "af": 1}
         if pass_ == "dq":
@@ -640,8 +644,10 @@ def ds_tile_floats(call, product):
 # 183 TFLOP/s at hd 256 and lost at hd 64 (124 against 137). At hd 128 the H200 gains by it (2026-12-06,
 # stored against recomputed: causal 188.4 against 179.6, softcap 178.1 / 169.7, varlen 185.7 / 183.6,
 # non-causal 208.7 / 204.9) and the H100 is within 3 % either way (182.0 / 181.5, 171.0 / 169.8,
-# 177.8 / 183.2, 203.3 / 206.7).
-MMA_STORE_DS_MIN_HD = 128
+# 177.8 / 183.2, 203.3 / 206.7). tf32x3's products cost three of the unit's each, so it stores from hd 64
+# (an H100, 2026-12-06, small-hd64 forward + backward: 2.107 ms stored against 2.442 recomputed; below hd
+# 64 not measured). The least hd from which each product stores dS by default:
+MMA_STORE_DS_MIN_HD = {"tf32x3": 64, "bf16": 128, "f16": 128, "fma": 128}
 
 
 def store_ds_default(dev, scratch_bytes):
@@ -687,11 +693,11 @@ def _bwd_plan(queue, call, store_ds, floats):
 def _bwd_route(queue, call, store_ds):
     """The backward's plan: the matrix-unit passes where the device's product allows
     (clops.mma.backward_product), else the portable ones; dS stored as ``store_ds`` says (None: as
-    store_ds_default says, on the matrix units only from MMA_STORE_DS_MIN_HD)."""
+    store_ds_default says, on the matrix units only from the product's MMA_STORE_DS_MIN_HD)."""
     product, _ = mma.backward_product(queue, call.st)
     floats = ds_scratch_floats(call) if product is None else ds_tile_floats(call, product)
     if store_ds is None:
-        store_ds = ((product is None or call.hd >= MMA_STORE_DS_MIN_HD)
+        store_ds = ((product is None or call.hd >= MMA_STORE_DS_MIN_HD[product])
                     and store_ds_default(queue.device, 4 * floats))
     elif store_ds and 4 * floats > queue.device.max_mem_alloc_size:
         raise LimitError(f"store_ds: the dS scratch takes {4 * floats} bytes, more than the device's "
@@ -746,7 +752,7 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     and dQ is computed from it; False, the dQ pass recomputes it (no scratch, more arithmetic);
     None (default): on the portable kernels, stored when the scratch takes at most an eighth
     of the device's global memory and fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE); on the
-    matrix units, the same but only from hd 128 (MMA_STORE_DS_MIN_HD), recomputed below. The scratch: portable,
+    matrix units, the same but only from hd 64 at float32 (tf32x3) and hd 128 at 16 bits (MMA_STORE_DS_MIN_HD), recomputed below. The scratch: portable,
     causal over equal windows ``4·windows·nh·window·(window + 1)/2`` bytes, otherwise
     ``4·n·nh·R``, R the longest row of keys a query sees (the sliding window W causal, 2W − 1
     not, else the window or max_seqlen); matrix units, tiles of 16×16 elements (2 bytes at

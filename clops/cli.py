@@ -47,7 +47,7 @@ def info(args):
             path = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
             if way == "backward":  # attention_bwd's store_ds=None
                 path += (", dS stored where its scratch fits" if product is None
-                         else f", dS stored from hd {MMA_STORE_DS_MIN_HD} where its scratch fits, else recomputed")
+                         else f", dS stored from hd {MMA_STORE_DS_MIN_HD[product]} where its scratch fits, else recomputed")
             print(f"attention {way} at {name}: {path} ({why})")
     print("kernel parameters there, per family at the shape class clops tune starts from:")
     from .tune import FAMILIES as TUNED

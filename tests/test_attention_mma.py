@@ -197,18 +197,21 @@ def store_ds(request):
     return request.param
 
 
-@pytest.mark.parametrize("store_ds, hd", [(True, 32), (False, 32), (None, 32), (None, 128)],
-                         ids=["ds-stored", "ds-recomputed", "default", "default-hd128"])
-def test_store_ds_picks_the_passes(queue, product, store_ds, hd):
-    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default below hd 128): dQ
-    (storing D), then dK/dV. (hd 32: test_backward_windows_one_kv_head's kernels, causal.)"""
-    q, k, v, do = (ref.rnd(shape, seed).astype(BF16) for shape, seed in (((34, 2, hd), 1), ((34, 1, hd), 2),
-                                                                         ((34, 1, hd), 3), ((34, 2, hd), 4)))
+@pytest.mark.parametrize("store_ds, hd, dtype", [(True, 32, BF16), (False, 32, BF16), (None, 32, BF16),
+                                                 (None, 128, BF16), (None, 64, np.float32)],
+                         ids=["ds-stored", "ds-recomputed", "default", "default-hd128", "default-float32-hd64"])
+def test_store_ds_picks_the_passes(queue, product, store_ds, hd, dtype):
+    """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default below the product's
+    MMA_STORE_DS_MIN_HD: hd 128 at 16 bits, 64 with tf32x3): dQ (storing D), then dK/dV. (hd 32:
+    test_backward_windows_one_kv_head's kernels, causal.)"""
+    q, k, v, do = (ref.rnd(shape, seed).astype(dtype) for shape, seed in (((34, 2, hd), 1), ((34, 1, hd), 2),
+                                                                          ((34, 1, hd), 3), ((34, 2, hd), 4)))
     o, lse = ref.attention(q, k, v, window=17)
     with clops.profile(queue) as prof:
-        clops.attention_bwd(queue, *to_device(queue, q, k, v, o.astype(BF16), lse.astype(np.float32), do), window=17,
+        clops.attention_bwd(queue, *to_device(queue, q, k, v, o.astype(dtype), lse.astype(np.float32), do), window=17,
                             store_ds=store_ds)
-    stored = store_ds or (store_ds is None and hd >= attn.MMA_STORE_DS_MIN_HD)
+    min_hd = attn.MMA_STORE_DS_MIN_HD[mma.backward_product(queue, "float" if dtype == np.float32 else "bf16")[0]]
+    stored = store_ds or (store_ds is None and hd >= min_hd)
     passes = ["attn_bwd_dsum", "attn_bwd_dkv", "attn_bwd_dqs"] if stored else ["attn_bwd_dq", "attn_bwd_dkv"]
     assert [r.name for r in prof.launches] == passes
 
@@ -352,7 +355,7 @@ def test_info_names_the_attention_path(capsys):
         kernels = "the portable kernels" if product is None else f"the matrix-unit driver, {product} products"
         assert fwd.split(": ", 1)[1].startswith(kernels)
         assert bwd.split(": ", 1)[1].startswith(kernels + (", dS stored where its scratch fits" if product is None
-                                                           else f", dS stored from hd {attn.MMA_STORE_DS_MIN_HD}"))
+                                                           else f", dS stored from hd {attn.MMA_STORE_DS_MIN_HD[product]}"))
 
 
 def test_two_buffers_where_they_fit():
