@@ -752,7 +752,8 @@ def attention_bwd(queue, q, k, v, o, lse, do, *, window=None, cu_seqlens=None, m
     and dQ is computed from it; False, the dQ pass recomputes it (no scratch, more arithmetic);
     None (default): on the portable kernels, stored when the scratch takes at most an eighth
     of the device's global memory and fits one allocation (CL_DEVICE_MAX_MEM_ALLOC_SIZE); on the
-    matrix units, the same but only from hd 64 at float32 (tf32x3) and hd 128 at 16 bits (MMA_STORE_DS_MIN_HD), recomputed below. The scratch: portable,
+    matrix units, the same but only from hd 64 at float32 (tf32x3) and hd 128 at 16 bits
+    (MMA_STORE_DS_MIN_HD), recomputed below. The scratch: portable,
     causal over equal windows ``4·windows·nh·window·(window + 1)/2`` bytes, otherwise
     ``4·n·nh·R``, R the longest row of keys a query sees (the sliding window W causal, 2W − 1
     not, else the window or max_seqlen); matrix units, tiles of 16×16 elements (2 bytes at
