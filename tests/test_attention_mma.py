@@ -19,6 +19,7 @@ import pytest
 
 import clops
 from clops import attn, mma, program, reference as ref, tuning
+from clops.args import storage
 from clops.attn import BWD_MMA, FWD_MMA
 from helpers import assert_storage_close, to_device
 from test_attention import LSE_TOL, O_TOL
@@ -204,13 +205,15 @@ def test_store_ds_picks_the_passes(queue, product, store_ds, hd, dtype):
     """Stored: D, then dK/dV (storing dS), then dQ from it; recomputed (the default below the product's
     MMA_STORE_DS_MIN_HD: hd 128 at 16 bits, 64 with tf32x3): dQ (storing D), then dK/dV. (hd 32:
     test_backward_windows_one_kv_head's kernels, causal.)"""
+    if dtype == np.float32 and product == "fma":
+        pytest.skip("float32's own threshold is tf32x3's; the portable products' is the default case's (6 s of builds)")
     q, k, v, do = (ref.rnd(shape, seed).astype(dtype) for shape, seed in (((34, 2, hd), 1), ((34, 1, hd), 2),
                                                                           ((34, 1, hd), 3), ((34, 2, hd), 4)))
     o, lse = ref.attention(q, k, v, window=17)
     with clops.profile(queue) as prof:
         clops.attention_bwd(queue, *to_device(queue, q, k, v, o.astype(dtype), lse.astype(np.float32), do), window=17,
                             store_ds=store_ds)
-    min_hd = attn.MMA_STORE_DS_MIN_HD[mma.backward_product(queue, "float" if dtype == np.float32 else "bf16")[0]]
+    min_hd = attn.MMA_STORE_DS_MIN_HD[mma.backward_product(queue, storage(np.dtype(dtype)))[0]]
     stored = store_ds or (store_ds is None and hd >= min_hd)
     passes = ["attn_bwd_dsum", "attn_bwd_dkv", "attn_bwd_dqs"] if stored else ["attn_bwd_dq", "attn_bwd_dkv"]
     assert [r.name for r in prof.launches] == passes
