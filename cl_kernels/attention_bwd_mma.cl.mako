@@ -43,7 +43,7 @@
 // the stored dS above. STAGES (dq): buffers of K and V, 1 (three barriers a block), or 2 (block
 // kb + 1's staged during all of block kb's products, one barrier a block).
 <%!
-    from clops.attn import mask_edges, visible_condition
+    from clops.attn import dsum_lanes, mask_edges, visible_condition
     from clops.program import ctype
 %>\
 <%
@@ -447,18 +447,28 @@ ${tp.store_rows(st, "dva", "dv", "kbase", "kstride", "col0", "HD / %d / 8" % cs)
 ${tp.store_rows(st, "dka", "dk", "kbase", "kstride", "col0", "HD / %d / 8" % cs)}\
 }
 % else:
-// D = Σ dO·O of each (token, head) row, one work-item a row, summed as dq's lanes sum it.
+// D = Σ dO·O of each (token, head) row: DL work-items a row reading its vectors side by side (a warp's
+// loads coalesced, where one work-item a row strided them by the row), their sums added in lane order.
+#define DL ${dsum_lanes(hd)}
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void attn_bwd_dsum(__global const ${et} *restrict o, __global const ${et} *restrict dO, __global float *restrict dsum,
                    const uint rows${checked_args("o", "dO", "dsum")})
 {
-    const idx_t r = get_global_id(0);
-    if (r >= rows)
-        return;
+    __local float part[WG];
+    const uint lid = get_local_id(0), lane = lid % DL;
+    const idx_t r = (idx_t)get_group_id(0) * (WG / DL) + lid / DL;
     float dd = 0.0f;
-    for (uint d = 0; d < HD; d += 4)
-        dd += dot(${load(st, 4, "o", at("o", "r * HD + d", 4), aligned=True)}, ${load(st, 4, "dO", at("dO", "r * HD + d", 4), aligned=True)});
-    dsum[${at("dsum", "r")}] = dd;
+    if (r < rows) {
+        for (uint d = 4 * lane; d < HD; d += 4 * DL)
+            dd += dot(${load(st, 4, "o", at("o", "r * HD + d", 4), aligned=True)}, ${load(st, 4, "dO", at("dO", "r * HD + d", 4), aligned=True)});
+    }
+    part[lid] = dd;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane == 0 && r < rows) {
+        for (uint l = 1; l < DL; ++l)
+            dd += part[lid + l];
+        dsum[${at("dsum", "r")}] = dd;
+    }
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1))) WARPS

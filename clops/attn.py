@@ -718,6 +718,12 @@ class _BwdMmaPlan:
     scalars: list  # after the buffers (and cu_seqlens), both passes
 
 
+def dsum_lanes(hd):
+    """Work-items a row of the matrix-unit backward's attn_bwd_dsum: up to 8, reading the row's 4-element
+    vectors side by side (as many as divide them)."""
+    return math.gcd(hd // 4, 8)
+
+
 def _bwd_mma_plan(queue, call, product, store, floats):
     sc = {"hd": call.hd, "st": call.st, "product": product}
     tiles, rt = ds_tiles(call) if store else (0, 0)
@@ -735,7 +741,7 @@ def _bwd_mma_plan(queue, call, product, store, floats):
     if not store:
         return _BwdMmaPlan(q_knl["attn_bwd_dq"], q_groups, kv_knl["attn_bwd_dkv"], kv_groups, scalars)
     band = [np.uint32(rt)] if rt else []  # the stored dS's tiles a query tile, where not triangles
-    return _BwdPlan(q_knl["attn_bwd_dsum"], (-(-call.n * call.nh // (32 * pq["nw"])),),
+    return _BwdPlan(q_knl["attn_bwd_dsum"], (-(-call.n * call.nh // (32 * pq["nw"] // dsum_lanes(call.hd))),),
                     kv_knl["attn_bwd_dkv"], kv_groups, scalars + band,
                     q_knl["attn_bwd_dqs"], q_groups, geom + call.variant_args(softcap=False) + band, True, floats)
 
