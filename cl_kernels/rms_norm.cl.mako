@@ -501,8 +501,8 @@ ${bwd_dw("add_rms_norm_bwd", True)}
 
 % elif kind == "dw":
 #define RB ${rb}
-#define CS_CW 32
-#define CS_S 8
+#define CS_CW 8   // clops.norm.COLUMN_SUM_COLS
+#define CS_S 32
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_dw_partial(__global vec *restrict partial, __global const ${vptr(st, vw)} *restrict x,

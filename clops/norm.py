@@ -225,7 +225,8 @@ ADD_BWD_DW = dataclasses.replace(BWD_DW, op="add_rms_norm_bwd", heuristic=heuris
                                  doc="add_rms_norm_bwd (one pass): the parameters of rms_norm_bwd_dw")
 _ONE_PASS = {"rms_norm_bwd_dw": BWD_DW, "add_rms_norm_bwd": ADD_BWD_DW}  # kernel name: its spec
 
-COLUMN_SUM_WG = 256  # the column sum's groups: 32 columns × 8 slices of rows (cl_kernels/rms_norm.cl.mako)
+COLUMN_SUM_COLS = 8  # the column sum's groups: 8 columns × 32 slices of rows (cl_kernels/rms_norm.cl.mako)
+COLUMN_SUM_WG = COLUMN_SUM_COLS * 32
 DW = Spec(
     "rms_norm_dw", TEMPLATE, ("wg", "vw", "rb"),
     lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
@@ -372,8 +373,11 @@ def _bwd_dw(queue, name, dx, dw, accumulate, x, w, inv, dy, ds, eps, gemma, wait
 
 # Partial rows a column-sum group adds; more than 2·CHUNK rows take two launches. (An H100, 2026-12-06, bf16,
 # qk_norm_rope_bwd's 528 partial rows of 128 / 256 floats: 5.3-5.6 µs in one launch against 8.2-8.4 in two at
-# 256, sixteen loads in flight; eight in flight 6.7 µs and 8.6-8.9.)
-CHUNK = 512
+# 256, sixteen loads in flight; eight in flight 6.7 µs and 8.6-8.9. 2026-12-07, groups of 8 columns × 32 slices
+# against 32 × 8, CHUNK 512 before: 4.7-4.8 µs against 5.6-6.1 there, 4.2-4.5 against 5.0-5.2 at 64 floats,
+# add_rms_norm_bwd's 1056 rows of 5120 in one launch 14.5 µs against 16.3 in two; the one pass's 528 rows of
+# 5120 8.6-8.7 against 8.7-8.9.)
+CHUNK = 1024
 _ACCUMULATE = (np.int32(0), np.int32(1))
 
 
@@ -385,7 +389,7 @@ def _column_plan(queue, rows, cols, dwst):
     p = DW.params(queue.device, sc)
     idx = index_type((rows + p["rb"]) * cols + p["wg"] * p["vw"])
     _, knl = DW.kernels(queue, sc, idx=idx, st="float", dwst=dwst or "float")
-    groups = -(-cols // 32)  # 32 columns a group
+    groups = -(-cols // COLUMN_SUM_COLS)
     grid = (groups, 1) if dwst else (groups, -(-rows // CHUNK))
     return knl["column_sum"], grid, [np.uint32(rows), np.uint32(cols)], np.uint32(rows if dwst else CHUNK)
 
