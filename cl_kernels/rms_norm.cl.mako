@@ -50,9 +50,10 @@
 // (per step), CH vectors per work-item per row, CACHE (CH ≤ 32) rows held in
 // registers, PF 2 the one-pass backwards' next rows prefetched (PTX with `ptx`: NVIDIA's
 // OpenCL prefetch() does nothing measurable), PF 3 loaded into registers during the step's sum
-// (with CACHE), RB rows per partial block, IDX the index type (uint when every index fits 32 bits,
-// else ulong), ST / WST / DWST the storage types above.
-<%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None, pf=None, ptx=0"/>
+// (with CACHE), RB rows per partial block, CS_CW × CS_S the column sum's columns × row slices a
+// group (clops.norm), IDX the index type (uint when every index fits 32 bits, else ulong), ST /
+// WST / DWST the storage types above.
+<%page args="kind, wg, vw, idx, st, wst, dwst, rpg=None, ch=None, cache=None, rb=None, pf=None, ptx=0, cs_cw=None, cs_s=None"/>
 <%namespace name="common" file="common.cl.mako"/>
 ${common.guards()}\
 ${common.storage(st, wst, dwst)}\
@@ -501,8 +502,8 @@ ${bwd_dw("add_rms_norm_bwd", True)}
 
 % elif kind == "dw":
 #define RB ${rb}
-#define CS_CW 8   // clops.norm.COLUMN_SUM_COLS
-#define CS_S 32
+#define CS_CW ${cs_cw}
+#define CS_S ${cs_s}
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void rms_norm_dw_partial(__global vec *restrict partial, __global const ${vptr(st, vw)} *restrict x,

@@ -225,14 +225,16 @@ ADD_BWD_DW = dataclasses.replace(BWD_DW, op="add_rms_norm_bwd", heuristic=heuris
                                  doc="add_rms_norm_bwd (one pass): the parameters of rms_norm_bwd_dw")
 _ONE_PASS = {"rms_norm_bwd_dw": BWD_DW, "add_rms_norm_bwd": ADD_BWD_DW}  # kernel name: its spec
 
-COLUMN_SUM_COLS = 8  # the column sum's groups: 8 columns × 32 slices of rows (cl_kernels/rms_norm.cl.mako)
-COLUMN_SUM_WG = COLUMN_SUM_COLS * 32
+# The column sum's groups: 8 columns × 32 slices of rows (rendered as cl_kernels/rms_norm.cl.mako's CS_CW, CS_S)
+COLUMN_SUM_COLS, COLUMN_SUM_SLICES = 8, 32
+COLUMN_SUM_WG = COLUMN_SUM_COLS * COLUMN_SUM_SLICES
 DW = Spec(
     "rms_norm_dw", TEMPLATE, ("wg", "vw", "rb"),
     lambda sc: {"wg": [32, 64, 128, 256, 512], "vw": [1, 2, 4, 8], "rb": [16, 32, 64, 128, 256]},
     heuristic_dw, rules=lambda p, sc: (_vw_rule(p),), wg=lambda p, sc: max(p["wg"], COLUMN_SUM_WG),
     local_bytes=lambda p, sc: 4 * COLUMN_SUM_WG,
-    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"]), **_FLOAT32),
+    render=lambda p, sc: dict(p, kind="dw", vw=vector_width(p["vw"], sc["d"]), cs_cw=COLUMN_SUM_COLS,
+                              cs_s=COLUMN_SUM_SLICES, **_FLOAT32),
     doc="rms_norm_dw: wg columns per group, vw vector width, rb rows per partial block (the column sum of "
         "every gain gradient comes with it)")
 MIN_STEPS = 4  # a one-pass backward group walks at least this many steps of rows (fewer partial rows)
