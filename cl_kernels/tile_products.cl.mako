@@ -662,24 +662,37 @@ ${a_words("a", "s16", src, base, stride, cols)}\
         CP_ASYNC_WAIT(${pending});
 % endif
 </%def>
-## Set `flag` when a value that this work-item staged (stage's chunks of dst) is NaN or ±Inf.
+## Set `flag` when a value that this work-item staged (stage's chunks of dst) is NaN or ±Inf. At
+## 16 bits, every element of a word at once: its exponent field all ones, where (word & EXP) + ONE
+## carries into the bit above the field (the element's sign bit), never into the next element; the
+## sums OR-ed and tested once. (An H100, 2026-12-07, bf16 against a test per element and vector: sliding
+## window 512 forward + backward +2-4 % (qwen's forward 196.9 against 188.6 TFLOP/s), causal within
+## 1 %. At float32 the same word-wise test ran small-hd64's causal forward at 46.2 against 48.6, twice,
+## so float32 keeps the test per vector.)
 <%def name="scan(st, dst, flag)">
-<% ev, per = ("float4", 4) if st == "float" else ("uint4", 8) %>\
+% if st == "float":
         #pragma unroll
         for (int u = 0; u < KN; ++u) {
             const uint e = lid + u * WG;
-            if (e < BK * (HD / ${per})) {
-                const ${ev} x = *(__local const ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per});
-${nonfinite_check(st, "x", flag)}\
+            if (e < BK * (HD / 4)) {
+                const float4 x = *(__local const float4 *)(${dst} + e / (HD / 4) * KS + e % (HD / 4) * 4);
+                if (any(isinf(x)) || any(isnan(x))) ${flag} = 1;
             }
         }
-</%def>
-<%def name="nonfinite_check(st, x, flag)">\
-<% mask = "0x7f80u" if st == "bf16" else "0x7c00u" %>\
-% if st != "float":
-                if (any((${x} & ${mask}) == ${mask}) || any(((${x} >> 16) & ${mask}) == ${mask})) ${flag} = 1;
 % else:
-                if (any(isinf(${x})) || any(isnan(${x}))) ${flag} = 1;
+<% exp_, one, top = ("0x7f807f80u", "0x00800080u", "0x80008000u") if st == "bf16" else ("0x7c007c00u", "0x04000400u", "0x80008000u") %>\
+        {
+            uint4 sums = (uint4)(0u);
+            #pragma unroll
+            for (int u = 0; u < KN; ++u) {
+                const uint e = lid + u * WG;
+                if (e < BK * (HD / 8)) {
+                    const uint4 x = *(__local const uint4 *)(${dst} + e / (HD / 8) * KS + e % (HD / 8) * 8);
+                    sums |= (x & ${exp_}) + ${one};
+                }
+            }
+            if ((sums.x | sums.y | sums.z | sums.w) & ${top}) ${flag} = 1;
+        }
 % endif
 </%def>
 

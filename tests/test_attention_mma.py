@@ -126,14 +126,18 @@ def test_tiles(queue, product, tiles, kw):
 @pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
                          ids=["causal", "sliding-non-causal"])
 @pytest.mark.parametrize("stages", [1, 2])
-def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw, stages):
-    """A NaN of V in a block that crosses the mask reaches only the rows whose mask lets its key in
-    (a matrix product would multiply it by their zero P), with one buffer of K and V or two (the
-    block's flag set before the barrier that the products follow)."""
+@pytest.mark.parametrize("dtype, value", [(np.float32, np.nan), (BF16, np.inf), (np.float16, -np.inf)],
+                         ids=["float32-nan", "bf16-inf", "f16-minus-inf"])
+def test_non_finite_v_stays_in_the_rows_that_see_it(queue, product, kw, stages, dtype, value):
+    """A NaN or ±Inf of V in a block that crosses the mask reaches only the rows whose mask lets its key
+    in (a matrix product would multiply it by their zero P), with one buffer of K and V or two (the
+    block's flag set before the barrier that the products follow), at each storage type (the scan
+    tests each type's exponent field)."""
     n, key, col = 80, 37, 5
-    q, k, v = (ref.rnd((n, 1, 16), seed) for seed in (1, 2, 3))
-    v[key, 0, col] = np.nan
-    sc = {"hd": 16, "st": "float", "product": mma.forward_product(queue, "float")[0]}
+    q, k, v = (ref.rnd((n, 1, 16), seed).astype(dtype) for seed in (1, 2, 3))
+    v[key, 0, col] = value
+    st = storage(np.dtype(dtype))
+    sc = {"hd": 16, "st": st, "product": mma.forward_product(queue, st)[0]}
     tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages, "af": 1})
     try:
         o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
@@ -143,7 +147,7 @@ def test_nan_in_v_stays_in_the_rows_that_see_it(queue, product, kw, stages):
     sees = key <= i if kw.get("causal", True) else np.abs(i - key) < kw["sliding_window"]
     where = np.zeros((n, 1, 16), bool)
     where[sees, 0, col] = True
-    assert (np.isnan(o.get()) == where).all()
+    assert (~np.isfinite(o.get().astype(np.float32)) == where).all()
 
 
 def _check_bwd(queue, product, n, nh, nkv, hd, dtype=np.float32, tiles=None, dkv=None, store_ds=None, **kw):
