@@ -670,30 +670,30 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 ## 1 %. At float32 the same word-wise test ran small-hd64's causal forward at 46.2 against 48.6, twice,
 ## so float32 keeps the test per vector.)
 <%def name="scan(st, dst, flag)">
-% if st == "float":
-        #pragma unroll
-        for (int u = 0; u < KN; ++u) {
-            const uint e = lid + u * WG;
-            if (e < BK * (HD / 4)) {
-                const float4 x = *(__local const float4 *)(${dst} + e / (HD / 4) * KS + e % (HD / 4) * 4);
-                if (any(isinf(x)) || any(isnan(x))) ${flag} = 1;
-            }
-        }
-% else:
-<% exp_, one, top = ("0x7f807f80u", "0x00800080u", "0x80008000u") if st == "bf16" else ("0x7c007c00u", "0x04000400u", "0x80008000u") %>\
+<%
+    ev, per = ("float4", 4) if st == "float" else ("uint4", 8)
+    exp_, one, top = ("0x7f807f80u", "0x00800080u", "0x80008000u") if st == "bf16" else ("0x7c007c00u", "0x04000400u", "0x80008000u")
+%>\
         {
+% if st != "float":
             uint4 sums = (uint4)(0u);
+% endif
             #pragma unroll
             for (int u = 0; u < KN; ++u) {
                 const uint e = lid + u * WG;
-                if (e < BK * (HD / 8)) {
-                    const uint4 x = *(__local const uint4 *)(${dst} + e / (HD / 8) * KS + e % (HD / 8) * 8);
+                if (e < BK * (HD / ${per})) {
+                    const ${ev} x = *(__local const ${ev} *)(${dst} + e / (HD / ${per}) * KS + e % (HD / ${per}) * ${per});
+% if st == "float":
+                    if (any(isinf(x)) || any(isnan(x))) ${flag} = 1;
+% else:
                     sums |= (x & ${exp_}) + ${one};
+% endif
                 }
             }
+% if st != "float":
             if ((sums.x | sums.y | sums.z | sums.w) & ${top}) ${flag} = 1;
-        }
 % endif
+        }
 </%def>
 
 ## The drivers' staging buffers: STAGES buffers of BK rows for each staged operand (1, or 2: the
