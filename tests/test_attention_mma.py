@@ -31,6 +31,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 # key block's last key, its last query the next block's first key.
 WINDOW_2 = {"window": 50, "sliding_window": 2, "causal": False}
 CU = np.array([0, 0, 1, 40, 40, 100], np.int32)  # empty sequences, one of a single token
+CAUSAL_80, SLIDING_80 = {"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}  # the NaN tests'
 
 
 @pytest.fixture(params=["fma", "matrix units"])
@@ -123,11 +124,12 @@ def test_tiles(queue, product, tiles, kw):
     _check(queue, 100, 2, 1, 48, tiles=tiles, **kw)
 
 
-@pytest.mark.parametrize("kw", [{"window": 80}, {"window": 80, "sliding_window": 9, "causal": False}],
-                         ids=["causal", "sliding-non-causal"])
-@pytest.mark.parametrize("stages", [1, 2])
-@pytest.mark.parametrize("dtype, value", [(np.float32, np.nan), (BF16, np.inf), (np.float16, -np.inf)],
-                         ids=["float32-nan", "bf16-inf", "f16-minus-inf"])
+# float32 with each mask and buffering; each 16-bit type once (the scan's test of its exponent fields)
+@pytest.mark.parametrize("kw, stages, dtype, value", [
+    (CAUSAL_80, 1, np.float32, np.nan), (CAUSAL_80, 2, np.float32, np.nan), (SLIDING_80, 1, np.float32, np.nan),
+    (SLIDING_80, 2, np.float32, np.nan), (SLIDING_80, 1, BF16, np.inf), (CAUSAL_80, 2, np.float16, -np.inf)],
+    ids=["causal", "causal-two-stages", "sliding-non-causal", "sliding-non-causal-two-stages",
+         "bf16-inf-sliding-non-causal", "f16-minus-inf-causal-two-stages"])
 def test_non_finite_v_stays_in_the_rows_that_see_it(queue, product, kw, stages, dtype, value):
     """A NaN or ±Inf of V in a block that crosses the mask reaches only the rows whose mask lets its key
     in (a matrix product would multiply it by their zero P), with one buffer of K and V or two (the
@@ -255,10 +257,9 @@ def test_stored_ds_stays_inside_its_scratch(queue, monkeypatch, n, kw):
         _check_bwd(queue, "fma", n, 2, 1, 16, BF16, store_ds=True, **kw)
 
 
-@pytest.mark.parametrize("kw, stages", [({"window": 80}, 1), ({"window": 80, "sliding_window": 9, "causal": False}, 1),
-                                        ({"window": 80, "sliding_window": 9, "causal": False}, 2)],
-                         ids=["causal", "sliding-non-causal", "sliding-non-causal-two-stages"])
-@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("kw, stages, dtype", [(CAUSAL_80, 1, np.float32), (SLIDING_80, 1, np.float32),
+                                               (SLIDING_80, 2, np.float32), (SLIDING_80, 1, BF16)],
+                         ids=["causal", "sliding-non-causal", "sliding-non-causal-two-stages", "bf16-sliding-non-causal"])
 def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, store_ds, kw, stages, dtype):
     """A NaN of K at key 37 reaches dQ only in the rows that see key 37 (and dK, dV of that key); a NaN
     of Q or dO at row 37 reaches dK and dV only at the keys that row 37 sees (and dQ of that row):
