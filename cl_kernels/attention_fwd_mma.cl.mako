@@ -91,18 +91,18 @@ ${tp.locals(kind)}\
     const uint h = get_group_id(0), w = get_group_id(1);
     const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
 % if varlen:
+    const uint tok0 = cu[${at("cu", "w")}];
 %   if af == 2:
     // Where registers are short (Q off them too), the sequence's length T is read from local memory
     // where used: held in a register across the key loop, it tipped tf32x3 at hd 256 into spilling
     // (NVPTX proxy: 324 bytes against 24). An H100, 2026-12-07, varlen forward against causal's 41.7
     // TFLOP/s: qwen-hd256 39.0 against 29.9; at hd 128 and 64 (Q held) 49.6 / 44.0 against 51.3 / 45.3.
     __local uint seq_len;
-    const uint tok0 = cu[${at("cu", "w")}];
     if (lid == 0) seq_len = cu[${at("cu", "w + 1")}] - tok0;
     barrier(CLK_LOCAL_MEM_FENCE);
 #define T seq_len
 %   else:
-    const uint tok0 = cu[${at("cu", "w")}], T = cu[${at("cu", "w + 1")}] - tok0;
+    const uint T = cu[${at("cu", "w + 1")}] - tok0;
 %   endif
 % endif
     const uint nkv = nh / rep;
