@@ -672,7 +672,7 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 <%def name="scan(st, dst, flag)">
 <%
     ev, per = ("float4", 4) if st == "float" else ("uint4", 8)
-    exp_, one, top = ("0x7f807f80u", "0x00800080u", "0x80008000u") if st == "bf16" else ("0x7c007c00u", "0x04000400u", "0x80008000u")
+    exp_, one = ("0x7f807f80u", "0x00800080u") if st == "bf16" else ("0x7c007c00u", "0x04000400u")  # 16-bit only
 %>\
         {
 % if st != "float":
@@ -691,7 +691,7 @@ ${a_words("a", "s16", src, base, stride, cols)}\
                 }
             }
 % if st != "float":
-            if ((sums.x | sums.y | sums.z | sums.w) & ${top}) ${flag} = 1;
+            if ((sums.x | sums.y | sums.z | sums.w) & 0x80008000u) ${flag} = 1;  // either element's sign bit
 % endif
         }
 </%def>

@@ -266,8 +266,8 @@ def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, s
     matrix products would multiply it by the zero P or dS of the other pairs. The NaN has every payload
     bit set, as NVIDIA's arithmetic makes them: tf32x3's split rounds by a carry into bit 13, which
     overflows such a NaN's high part (its low part carries the NaN). (stages: dq's buffers of K and V;
-    the override ends with the test.) At bf16 the NaN is the same bits' top half, through the scan's
-    test of 16-bit words."""
+    the override ends with the test.) At bf16 it is stored as bf16's quiet NaN (0x7FC0, ml_dtypes'
+    conversion), through the scan's test of 16-bit words."""
     st = storage(np.dtype(dtype))
     sc = {"hd": 16, "st": st, "product": mma.backward_product(queue, st)[0]}
     tuning.override("attention_bwd_mma_dq", sc, dict(BWD_MMA["dq"].heuristic(queue.device, sc), stages=stages))
