@@ -159,15 +159,15 @@ inline uint pack2(float lo, float hi)
 % endif
 % endif
 % if kind == "tf32x3":
-// x = hi + lo to about 21 bits: hi x's TF32 rounding (to nearest, ties away: a carry into bit 13,
-// then the low 13 bits cleared; ±Inf stay), lo the exact remainder, which the unit reads truncated
-// to its top 19 bits. Three instructions where cvt.rna.tf32.f32 twice is seven (sm_90's SASS: a range
-// check, an add, a select, a mask). A NaN x's hi may be any value: its lo is NaN, and so is every
-// product it enters.
+// x = hi + lo to about 20 bits: hi is x itself, which the unit reads truncated to its top 19 bits
+// (TF32, toward zero), lo the exact remainder x − trunc(x), read truncated too. Two instructions where
+// hi rounded to nearest (a carry into bit 13, then a mask) takes three, cvt.rna.tf32.f32 twice seven
+// (sm_90's SASS: a range check, an add, a select, a mask). A NaN x's lo is NaN, and so is every
+// product it enters; an infinite x's lo is NaN (∞ − ∞).
 inline void split(float x, uint *hi, uint *lo)
 {
-    *hi = (as_uint(x) + 0x1000u) & 0xffffe000u;
-    *lo = as_uint(x - as_float(*hi));
+    *hi = as_uint(x);
+    *lo = as_uint(x - as_float(as_uint(x) & 0xffffe000u));
 }
 % endif
 % if kind != "fma":

@@ -95,7 +95,7 @@ def _probe_one(queue, st, kind, emulate=False):
     cl.enqueue_copy(queue, out, dd)
     want = a.astype(np.float64) @ b.astype(np.float64)
     err = np.abs(out - want[rows, cols]).max() / np.abs(want).max()
-    tol = 1e-5  # float32 accumulation of exact products (3xTF32: about 2⁻²¹ of each; one TF32 product: 2⁻¹¹)
+    tol = 1e-5  # float32 accumulation of exact products (3xTF32: about 2⁻²⁰ of each; one TF32 product: 2⁻¹⁰)
     return None if err <= tol else f"{kind}: the probe's tile is wrong (relative error {err:.2g})"
 
 

@@ -269,10 +269,9 @@ def test_backward_nan_stays_in_the_gradients_that_depend_on_it(queue, product, k
     """A NaN of K at key 37 reaches dQ only in the rows that see key 37 (and dK, dV of that key); a NaN
     of Q or dO at row 37 reaches dK and dV only at the keys that row 37 sees (and dQ of that row):
     matrix products would multiply it by the zero P or dS of the other pairs. The NaN has every payload
-    bit set, as NVIDIA's arithmetic makes them: tf32x3's split rounds by a carry into bit 13, which
-    overflows such a NaN's high part (its low part carries the NaN). (stages: dq's buffers of K and V;
-    the override ends with the test.) At bf16 it is stored as bf16's quiet NaN (0x7FC0, ml_dtypes'
-    conversion), through the scan's test of 16-bit words."""
+    bit set, as NVIDIA's arithmetic makes them. (stages: dq's buffers of K and V; the override ends
+    with the test.) At bf16 it is stored as bf16's quiet NaN (0x7FC0, ml_dtypes' conversion), through
+    the scan's test of 16-bit words."""
     st = storage(np.dtype(dtype))
     sc = {"hd": 16, "st": st, "product": mma.backward_product(queue, st)[0]}
     tuning.override("attention_bwd_mma_dq", sc, dict(BWD_MMA["dq"].heuristic(queue.device, sc), stages=stages))
