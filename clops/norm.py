@@ -47,8 +47,9 @@ shape class ``{"d": d, "st": st}`` (``st`` the activations' storage type: ``floa
   step waits on its sum, 3 loads them into registers then (rows held only: twice their registers),
   1 neither. The heuristics take ``rms_norm_bwd``'s layout (dx then has its bits): at float32 with
   ``gpc`` 2, on NVIDIA's GPUs ``pf`` 3 where rows are held; at 16-bit storage on NVIDIA's GPUs
-  rows held and prefetched, ``gpc`` 4 (``add_rms_norm_bwd`` 8); on other GPUs rows read twice,
-  ``gpc`` 4, and ``add_rms_norm_bwd`` about 16 vectors a work-item and ``gpc`` 8.
+  rows held and prefetched, ``gpc`` 2, but ``add_rms_norm_bwd`` rows read twice, ``gpc`` 4; on
+  other GPUs rows read twice, ``gpc`` 4, and ``add_rms_norm_bwd`` about 16 vectors a work-item and
+  ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
   gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
@@ -120,14 +121,6 @@ def heuristic_dw(dev, sc):
     return {"wg": min(128, wg_cap(dev)), "vw": _vw_16_bytes(sc), "rb": 64 if st == "float" else 32}
 
 
-def _prefetching(dev, sc):
-    """Whether the one-pass backwards' heuristics hold and prefetch rows: 16-bit storage on an NVIDIA GPU,
-    where the prefetch is PTX (an H100, 2026-12-06, bf16 at d = 5120, the rows' layout of 256 work-items:
-    rms_norm_bwd_dw 0.224 ms against 0.235 read twice, add_rms_norm_bwd 0.312 against 0.351 at its
-    read-twice tiles below; held without the prefetch 0.283 and 0.389, read twice with it no faster)."""
-    return sc["st"] != "float" and _nvidia_gpu(dev)
-
-
 def _nvidia_gpu(dev):
     return bool(dev.type & cl.device_type.GPU) and runtime.nvidia(dev)
 
@@ -143,8 +136,11 @@ def heuristic_rows_bwd(dev, sc):
 def heuristic_bwd_dw(dev, sc):
     """rms_norm_bwd's layout (dx then has its bits). float32: rows held, two groups per compute unit, on an
     NVIDIA GPU each step's rows loaded during the previous step's sum (pf 3, where rows are held).
-    16-bit storage: four groups per compute unit of a GPU, rows read twice, or held and prefetched
-    (_prefetching). (H100 sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the
+    16-bit storage: on an NVIDIA GPU, where the prefetch is PTX, rows held and prefetched, two groups per
+    compute unit (an H100, 2026-12-06, bf16 at d = 5120, at four groups: 0.224 ms against 0.235 read
+    twice, 0.283 held without the prefetch; 2026-12-07's sweeps: two groups 0.195-0.203 against
+    0.203-0.205 at four, read twice 0.207 at best); on other GPUs four groups per compute unit, rows read
+    twice. (H100 sweeps at d = 5120, 2026-12-05: bf16 0.235 ms read twice against 0.373 at the
     forward's layout held, gpc 4; float32 0.422 against 0.448 at gpc 4. An H100, 2026-12-06, alternating:
     float32 pf 3 0.366 / 0.367 ms against 0.416 / 0.417 at pf 1, add_rms_norm_bwd 0.455 / 0.454 against
     0.484 / 0.485; at bf16 pf 3 takes 128-158 registers and 1.4-2x pf 2's time.)"""
@@ -152,18 +148,20 @@ def heuristic_bwd_dw(dev, sc):
     if sc["st"] == "float":
         ahead = _render_rows(p, sc)["cache"] and _nvidia_gpu(dev)  # pf 3 needs rows held
         return dict(p, gpc=2, pf=3 if ahead else 1)
-    if _prefetching(dev, sc):
-        return dict(p, rr=1, gpc=4, pf=2)
+    if _nvidia_gpu(dev):
+        return dict(p, rr=1, gpc=2, pf=2)
     return dict(p, rr=2, gpc=4 if dev.type & cl.device_type.GPU else 2, pf=1)
 
 
 def heuristic_add_bwd_dw(dev, sc):
-    """heuristic_bwd_dw's, but eight groups per compute unit of an NVIDIA GPU at 16-bit storage, and on
-    other GPUs there about 16 vectors a work-item, rows read twice, eight groups per compute unit: the
-    pass that reads ds too. (H100 sweep at d = 5120, bf16, 2026-12-05: 0.358 ms at wg 64, gpc 8 against
-    0.404 at rms_norm_bwd_dw's layout.)"""
-    if _prefetching(dev, sc):
-        return dict(heuristic_bwd_dw(dev, sc), gpc=8)
+    """heuristic_bwd_dw's, but at 16-bit storage: on an NVIDIA GPU rms_norm_bwd's layout with rows read
+    twice, no prefetch, four groups per compute unit (an H100's sweep, 2026-12-07, bf16 at d = 5120:
+    0.267 ms against 0.301 held and prefetched at eight groups, the heuristic until then, and 0.283 read
+    twice at eight); on other GPUs about 16 vectors a work-item, rows read twice, eight groups per compute
+    unit (H100 sweep at d = 5120, bf16, 2026-12-05: 0.358 ms at wg 64, gpc 8 against 0.404 at
+    rms_norm_bwd_dw's layout). The pass that reads ds too."""
+    if sc["st"] != "float" and _nvidia_gpu(dev):
+        return dict(heuristic_rows_bwd(dev, sc), rr=2, gpc=4, pf=1)
     if sc["st"] != "float" and dev.type & cl.device_type.GPU:
         return dict(_rows_layout(dev, sc, 16), rr=2, gpc=8, pf=1)
     return heuristic_bwd_dw(dev, sc)
