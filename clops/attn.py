@@ -544,12 +544,13 @@ def _bwd_mma_heuristic(pass_):
         # tf32x3 holds float A operands, twice the 16-bit kinds' registers: "big" above hd 64, as the forward's
         big = sc["hd"] > (64 if sc["product"] == "tf32x3" else 128)
         if pass_ == "dqs":
-            # tf32x3 from an H100's sweeps, 2026-12-06 (hd 128 2.97 ms against 3.08 with 8 warps; hd 256 6.74
-            # against 7.19); the 16-bit products not yet swept: the H200's forward tiles
+            # tf32x3 from an H100's sweeps, 2026-12-06 (hd 128 2.97 ms against 3.08 with 8 warps) and, with
+            # its split of two instructions, 2026-12-07 (hd 256, where 32 keys do not fit: 6.59 against 6.95
+            # with 2 warps); the 16-bit products not yet swept: the H200's forward tiles
             if not gpu:
                 p = {"nw": 2, "bk": 16}
             elif sc["product"] == "tf32x3":
-                p = {"nw": 4, "bk": 32} if sc["hd"] <= 128 else {"nw": 2, "bk": 16}
+                p = {"nw": 4, "bk": 32}
             else:
                 p = _h200_tiles(sc)
         elif gpu:
