@@ -52,8 +52,8 @@ shape class ``{"d": d, "st": st}`` (``st`` the activations' storage type: ``floa
   ``gpc`` 8.
 - op ``"rms_norm_dw"`` (``rms_norm_dw``): ``wg`` work-items (columns) per group of the first
   stage, ``vw`` as above, ``rb`` rows summed per partial block. The column sum (every gain
-  gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 32
-  columns × 8 slices of rows.
+  gradient's last stage, ``qk_norm_rope_bwd``'s too) has groups of 256 work-items: 8
+  columns × 32 slices of rows (``COLUMN_SUM_COLS``, ``COLUMN_SUM_SLICES``).
 """
 from __future__ import annotations
 
