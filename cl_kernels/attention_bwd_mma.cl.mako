@@ -124,22 +124,6 @@ ${coefficient_loop(p, ds, qi, kj, nl2, dd, True)}\
     }
 </%def>
 
-## dkv with sx 2: the warp's partial tile x[BK/8][4] into xch (lane-minor), and the pair's added to it
-## (own + pair's in each warp of the pair: the same bits in both, addition commuting).
-<%def name="share(x)">\
-        #pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) xch[((wi * (BK / 8) + j) * 4 + e) * 32 + lane] = ${x}[j][e];
-        }
-</%def>
-<%def name="add_pair(x)">\
-        #pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) ${x}[j][e] += xch[(((wi ^ 1) * (BK / 8) + j) * 4 + e) * 32 + lane];
-        }
-</%def>
 ## dkv: stage block `b`'s dO rows and D (which "dO") or Q rows and lse (which "q"), one group of copies.
 <%def name="stage_block(b, which)">
         {
@@ -389,7 +373,7 @@ ${tp.landed(kind, 1)}\
 ${zeros("dp", "BK / 8")}\
 ${tp.qk(kind, st, out="dp", frag=None if af == 2 else "vf", bs="(dos + col0)" if sx == 2 else "dos", src="v", **part)}\
 % if sx == 2:
-${share("dp")}\
+${tp.pair_share("dp")}\
 % endif
 ${tp.landed(kind, 0)}\
         for (uint i = lid; i < BK; i += WG) nl2s[i] *= -LOG2E;  // the entries this work-item staged
@@ -401,15 +385,15 @@ ${tp.scan(st, "dst", "nonfinite[blk & 1]")}\
 % endif
         barrier(CLK_LOCAL_MEM_FENCE);  // Q and lse staged (and the flag set; the pair's dPᵀ shared)
 % if sx == 2:
-${add_pair("dp")}\
+${tp.pair_add("dp")}\
 % endif
 ${zeros("s", "BK / 8")}\
 ${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="(qs + col0)" if sx == 2 else "qs", src="k", **part)}\
 % if sx == 2:
         barrier(CLK_LOCAL_MEM_FENCE);  // the pair's dPᵀ read
-${share("s")}\
+${tp.pair_share("s")}\
         barrier(CLK_LOCAL_MEM_FENCE);  // the pair's Sᵀ shared
-${add_pair("s")}\
+${tp.pair_add("s")}\
 % endif
         ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "nl2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",
                        " && ".join(["!edge"] * bool(masked) + ["q0 + BK <= T", "key0 + KG <= T"]))}

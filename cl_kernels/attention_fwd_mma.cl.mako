@@ -25,7 +25,10 @@
 // CAPREF (softcap at most clops.attn.CAPREF_MAX): cap is every row's reference max, no row maxima.
 // AF: the matrix-unit products take the warp's Q fragments once, held in registers (1), or from
 // global memory at each key block, L1-cached (2: fewer registers; tf32x3 at hd 256 holds Q and O
-// in 256 floats a lane otherwise).
+// in 256 floats a lane otherwise). SX: 1, or 2 for column halves' pairs (tile_products.pair_share):
+// warps 2i and 2i + 1 take the same 16 rows (8·NW rows a group), each half of Q's and O's head-dim
+// columns, so that a warp holds half the accumulators: each computes S over its half, adds its
+// pair's, and both take the same softmax (the same bits) before P·V over their halves of V.
 <%!
     from clops.attn import mask_edges, visible_condition
     from clops.program import ctype
@@ -67,9 +70,23 @@
                 }
             }
 </%def>\
+<%def name="v_landed()">\
+## one buffer: V(kb) landed (its flag set) and K(kb) used up, then K(kb + 1) staged during P·V
+${tp.landed(kind, 0)}\
+%   if edges:
+        if (edge) {  // only such a block reads the flag
+${tp.scan(st, "vst", "nonfinite[FLAG(kb)]")}\
+        }
+%   endif
+        barrier(CLK_LOCAL_MEM_FENCE);  // V(kb) staged (and its flag set); K(kb) used up${"; the pair's S shared" if sx == 2 else ""}
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
+</%def>\
 <%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
-${tp.geometry(st, hd, nw, bk)}\
+${tp.geometry(st, hd, nw, bk, sx)}\
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
@@ -85,11 +102,15 @@ void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restr
 {
     __local ${et} kst[STAGES * BK * KS] __attribute__((aligned(16))), vst[STAGES * BK * KS] __attribute__((aligned(16)));
     __local int nonfinite[STAGES + 1];        // V of block kb holds a NaN or ±Inf: nonfinite[FLAG(kb)]
+% if sx == 2:
+    __local float xch[NW * 16 * BK];          // each warp's partial S, for its pair
+% endif
 ${tp.locals(kind)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
     const uint h = get_group_id(0), w = get_group_id(1);
-    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi * 16;
+    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi / SX * 16;
+    const uint col0 = wi % SX * (HD / SX);  // the warp's first column of Q and O
 % if varlen:
     const uint tok0 = cu[${at("cu", "w")}];
 %   if af == 2:
@@ -118,9 +139,10 @@ ${tp.locals(kind)}\
     const uint nkb = q0 < T ? (${"qlast + 1" if causal else ("min(T, qlast + W)" if sliding else "T")} - 1) / BK + 1 : 0;
 % endif
 
-    float acc[HD / 8][4];
+#define NCOL (HD / 8 / SX)  // the warp's column tiles of O
+    float acc[NCOL][4];
     #pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
+    for (int n = 0; n < NCOL; ++n) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     }
@@ -135,8 +157,13 @@ ${tp.locals(kind)}\
 % if softcap:
     const float cr = c * 2.88539008f, cap2 = 2.0f * cap;  // softcap_neg_r's u = cr·score; capped = fma(cap2, −r, cap)
 % endif
+<%
+    # the warp's columns of Q (and of K and V staged): sx 2 the half from col0
+    part = dict(cols="(HD / 2)", base="qbase + col0") if sx == 2 else {}
+    kpart, vpart = ("(ks + col0)", "(vs + col0)") if sx == 2 else ("ks", "vs")
+%>\
 % if af == 1:
-${tp.load_q(kind, st)}\
+${tp.load_q(kind, st, **part)}\
 % endif
 
 % if stages == 1:
@@ -190,7 +217,19 @@ ${tp.commit(kind)}\
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
         }
-${tp.qk(kind, st, frag=None if af == 2 else "qf")}\
+${tp.qk(kind, st, frag=None if af == 2 else "qf", bs=kpart, **part)}\
+% if sx == 2:
+        // S over all the columns: the pair's partial S added after the barrier that follows V's landing
+        // (one buffer), or one of its own (two); the next block's share comes after the next block's
+        // first barrier, when both warps have added this one's
+${tp.pair_share("s")}\
+%   if stages == 1:
+${v_landed()}\
+%   else:
+        barrier(CLK_LOCAL_MEM_FENCE);  // the pair's S shared
+%   endif
+${tp.pair_add("s")}\
+% endif
         // Scale${" (and cap)" if softcap else ""}, masking only in blocks that hold a key some row does not
         // see (uniform across the group)${"" if capref else "; row maxima across the quad"}.
 % if not capref:
@@ -220,7 +259,7 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
                 m[r] = mx[r];
                 l[r] *= corr;
                 #pragma unroll
-                for (int n = 0; n < HD / 8; ++n) {
+                for (int n = 0; n < NCOL; ++n) {
                     acc[n][2 * r] *= corr;
                     acc[n][2 * r + 1] *= corr;
                 }
@@ -249,27 +288,17 @@ ${tp.quad(kind, "max", "mx[0]", "mx[1]")}\
                 }
             }
         }
-% if stages == 1:
-${tp.landed(kind, 0)}\
-%   if edges:
-        if (edge) {  // only such a block reads the flag
-${tp.scan(st, "vst", "nonfinite[FLAG(kb)]")}\
-        }
-%   endif
-        barrier(CLK_LOCAL_MEM_FENCE);  // V(kb) staged (and its flag set); K(kb) used up
-        if (kb + 1 < nkb) {
-${tp.stage(kind, st, "kst", "k", "k0 + BK")}\
-        }
-${tp.commit(kind)}\
+% if stages == 1 and sx == 1:
+${v_landed()}\
 % endif
 % if edges:
         if (edge && nonfinite[FLAG(kb)]) {
-${tp.pv(kind, st, True, visible)}\
+${tp.pv(kind, st, True, visible, bs=vpart, ncol="NCOL")}\
         } else {
-${tp.pv(kind, st, False, visible)}\
+${tp.pv(kind, st, False, visible, bs=vpart, ncol="NCOL")}\
         }
 % else:
-${tp.pv(kind, st, False, visible)}\
+${tp.pv(kind, st, False, visible, bs=vpart, ncol="NCOL")}\
 % endif
     }
     // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.
@@ -277,8 +306,8 @@ ${tp.quad(kind, "sum", "l[0]", "l[1]")}\
     // O from hd 128 at 16 bits in 16-byte stores (tile_products.store_rows). (An H100, 2026-12-06, bf16,
     // against 4-byte stores, forward TFLOP/s: hd 256 causal 266-269 / 265, softcap 258 / 246, sliding-512
     // 190-191 / 186-188; hd 128 causal 253 / 251; hd 64, 12 registers more, sliding-512 164-166 / 176-178.)
-${tp.store_rows(st, "acc", "o", "qbase", "qstride", scale="1.0f / l[r]", wide=narrow and kind != "fma" and hd % 32 == 0 and hd >= 128)}\
-    if (t == 0) {
+${tp.store_rows(st, "acc", "o", "qbase", "qstride", col0="col0", ncol="NCOL", scale="1.0f / l[r]", wide=narrow and kind != "fma" and hd // sx % 32 == 0 and hd >= 128)}\
+    if (t == 0 && col0 == 0) {
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint qi = row0 + g + 8 * r;

@@ -321,7 +321,7 @@ inline uint pack2(float lo, float hi)
     CP_ASYNC_STATE
 % endif
 % if kind == "fma":
-    __local float pl[BQ * BK];          // P of the group's rows, for P·V
+    __local float pl[16 * NW * BK];     // P of each warp's rows, for P·V (a pair's twice: SX 2)
 % if quads:
     __local float2 quad_red[WG];        // quad reductions
 % endif
@@ -705,14 +705,36 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 #define BUF(kb) ((kb) % STAGES * (BK * KS))  // where block kb lies in its operand's buffers
 </%def>
 
-## The drivers' geometry: head dim, warps and rows of a group, the staged block of BK rows, its row
-## stride (padded against bank conflicts) and the 16-byte vectors each work-item fetches of it.
-<%def name="geometry(st, hd, nw, bk)">\
+## Column halves' pairs (SX 2): warps 2i and 2i + 1 take the same 16 rows, each half of the head
+## dim's columns, and complete a product over all the columns by adding the pair's partial tile
+## x[BK/8][4] through xch (__local float xch[NW * 16 * BK], lane-minor): pair_share writes the
+## warp's, pair_add (after a barrier) adds the pair's, own + pair's in both warps (the same bits:
+## the sum commutes).
+<%def name="pair_share(x)">\
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) xch[((wi * (BK / 8) + j) * 4 + e) * 32 + lane] = ${x}[j][e];
+        }
+</%def>
+<%def name="pair_add(x)">\
+        #pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) ${x}[j][e] += xch[(((wi ^ 1) * (BK / 8) + j) * 4 + e) * 32 + lane];
+        }
+</%def>
+
+## The drivers' geometry: head dim, warps and rows of a group (SX warps a row tile: 2 in the column
+## halves' pairs below), the staged block of BK rows, its row stride (padded against bank conflicts)
+## and the 16-byte vectors each work-item fetches of it.
+<%def name="geometry(st, hd, nw, bk, sx=1)">\
 <% per = 4 if st == "float" else 8 %>\
 #define HD ${hd}
 #define HD16 ((HD + 15) / 16)
 #define NW ${nw}
-#define BQ (16 * NW)
+#define SX ${sx}
+#define BQ (16 * NW / SX)
 #define WG (32 * NW)
 #define BK ${bk}
 #define KS (HD + ${per})

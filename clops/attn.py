@@ -221,21 +221,25 @@ FWD = Spec(
 # The matrix-unit forward: attention_fwd_mma.cl.mako, the same kernel arguments and grid layout,
 # its tile products (tile_products.cl.mako) chosen by clops.mma.forward_product. Op name in the
 # tuning database "attention_fwd_mma", shape class {"hd", "st", "product"}. Its parameters:
-#   nw  warps of 32 work-items per group, each on 16 query rows (16·nw rows a group);
+#   nw  warps of 32 work-items per group, each on 16 query rows (16·nw/sx rows a group);
 #   bk  keys per key block, a multiple of 16;
 #   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products);
 #   af  how the matrix-unit products fetch the warps' Q: 1 once, held in registers; 2 from global memory
 #       at each key block (L1-cached). The heuristic holds Q (1) but for tf32x3 above hd 128: the register
 #       proxy (tools/nvptx_registers.py, tf32x3 at hd 256, the heuristic's 8 warps and 16 keys) spills
-#       264 bytes a lane holding Q and 36 reading it, and an H100 runs it 1.27 times as fast reading it.
+#       264 bytes a lane holding Q and 36 reading it, and an H100 runs it 1.27 times as fast reading it;
+#   sx  1, or 2: the warps in column halves' pairs, two on each 16 rows, each on half of the head dim's
+#       columns of Q and O (half the accumulators a warp), adding the pair's partial S through local
+#       memory (nw even, hd a multiple of 16).
 # Local memory: 2·stages·bk·(hd + e)·s + 4·(stages + 1) bytes (s = 4, e = 4 for float storage; s = 2,
-# e = 8 for 16-bit), plus 4·(16·nw·bk + 64·nw) with the portable products.
+# e = 8 for 16-bit), plus 4·(16·nw·bk + 64·nw) with the portable products, plus 4·16·nw·bk with sx 2.
 
 def _mma_local_bytes(p, sc, stages=1):
     pad, size = (8, 2) if sc["st"] != "float" else (4, 4)
     stage = p["bk"] * (sc["hd"] + pad) * size  # K, and V
     portable = 4 * (16 * p["nw"] * p["bk"] + 2 * 32 * p["nw"]) if sc["product"] == "fma" else 0
-    return 2 * stages * stage + 4 * (stages + 1) + portable
+    pairs = 4 * 16 * p["nw"] * p["bk"] if p.get("sx") == 2 else 0  # the backward's dq and dqs: none
+    return 2 * stages * stage + 4 * (stages + 1) + portable + pairs
 
 
 def _h200_tiles(sc):
@@ -255,9 +259,9 @@ def _mma_heuristic(dev, sc):
     against 198); tf32x3 4 warps and 32 keys in one buffer (16 at hd 256, where 32 do not fit); the others the
     H200's tiles, one buffer. Q held (af 1) but above hd 128 outside the 16-bit products."""
     if not dev.type & cl.device_type.GPU:
-        return {"nw": 2, "bk": 16, "stages": 1, "af": 1}
+        return {"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 1}
     if sc["product"] in ("bf16", "f16"):
-        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1}
+        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1, "sx": 1}
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
     else:
@@ -265,17 +269,20 @@ def _mma_heuristic(dev, sc):
         # against 0.566 at 64 keys; hd 128 5.45 against 6.04 at 16 keys in two buffers, 5.69 with 8 warps;
         # hd 256 (16 keys) 13.20 against 14.16 with 8 warps, 17.70 with Q held (it spills)
         p = dict({"nw": 4, "bk": 32} if sc["product"] == "tf32x3" else _h200_tiles(sc), stages=1,
-                 af=2 if sc["hd"] > 128 else 1)
+                 af=2 if sc["hd"] > 128 else 1, sx=1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
 
 
 FWD_MMA = Spec(
-    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages", "af"),
-    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2], "af": [1, 2]}, _mma_heuristic,
+    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages", "af", "sx"),
+    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2], "af": [1, 2], "sx": [1, 2]},
+    _mma_heuristic,
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
-                         (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2")),
+                         (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2"),
+                         (p["sx"] == 1 or (p["sx"] == 2 and p["nw"] % 2 == 0 and sc["hd"] % 16 == 0),
+                          "sx must be 1, or 2 with nw even and hd a multiple of 16")),
     wg=lambda p, sc: 32 * p["nw"], local_bytes=lambda p, sc: _mma_local_bytes(p, sc, p["stages"]),
     render=lambda p, sc: {**PLAIN, "fuse": 0, "capref": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
@@ -298,7 +305,7 @@ def _fwd_plan(queue, call):
         p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx,
                                  emulate=int(mma.emulated()), fuse=int(c > 0),
                                  capref=int(0 < call.softcap * LOG2E <= CAPREF_MAX), **call.extra())
-        rows = 16 * p["nw"]
+        rows = 16 * p["nw"] // p["sx"]
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), c]
     return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()
 
@@ -530,8 +537,7 @@ BWD = {
 def _bwd_mma_local_bytes(pass_):
     def local_bytes(p, sc):
         quads = 256 * p["nw"] if sc["product"] == "fma" else 0
-        return (_mma_local_bytes(p, sc, p.get("stages", 1)) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
-                + 64 * p["nw"] * p["bk"] * (p.get("sx", 1) - 1))
+        return _mma_local_bytes(p, sc, p.get("stages", 1)) - quads + (8 * p["bk"] if pass_ == "dkv" else 0)
 
     return local_bytes
 

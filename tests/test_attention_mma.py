@@ -110,37 +110,45 @@ def test_rows_whose_max_grows_block_by_block(queue, product, dtype):
     q = 2 * d + 0.05 * rng.standard_normal((n, 2, hd))
     k = (6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd))
     qkv = tuple(x.astype(dtype) for x in (q, k, ref.rnd((n, 1, hd), 3)))
-    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1, "af": 1}, qkv=qkv)
+    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1, "af": 1, "sx": 1}, qkv=qkv)
 
 
-@pytest.mark.parametrize("tiles, kw", [({"nw": 1, "bk": 16, "stages": 1, "af": 1}, {"window": 50}),
-                                       ({"nw": 3, "bk": 48, "stages": 1, "af": 1}, {"window": 50}),
-                                       ({"nw": 2, "bk": 16, "stages": 2, "af": 1}, {"window": 50}),
-                                       ({"nw": 2, "bk": 16, "stages": 1, "af": 2}, {"cu_seqlens": CU})],
-                         ids=["one-warp", "three-warps-48-keys", "two-stages", "q-read-varlen"])
+@pytest.mark.parametrize("tiles, kw", [
+    ({"nw": 1, "bk": 16, "stages": 1, "af": 1, "sx": 1}, {"window": 50}),
+    ({"nw": 3, "bk": 48, "stages": 1, "af": 1, "sx": 1}, {"window": 50}),
+    ({"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1}, {"window": 50}),
+    ({"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1}, {"cu_seqlens": CU}),
+    ({"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 2}, {"window": 50}),
+    ({"nw": 4, "bk": 32, "stages": 2, "af": 2, "sx": 2}, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})],
+    ids=["one-warp", "three-warps-48-keys", "two-stages", "q-read-varlen", "column-pairs",
+         "column-pairs-two-stages-q-read-varlen-sliding-softcap"])
 def test_tiles(queue, product, tiles, kw):
     """Tiles the heuristics do not take here; Q read at each block with varlen's sequence length in local
-    memory (the driver's way with tf32x3 at hd 256)."""
+    memory (the driver's way with tf32x3 at hd 256); the warps in column halves' pairs (sx 2), with one
+    buffer (the pair's S added after V's barrier) and two (a barrier of its own)."""
     _check(queue, 100, 2, 1, 48, tiles=tiles, **kw)
 
 
-# float32 with each mask and buffering; each 16-bit type once (the scan's test of its exponent fields)
-@pytest.mark.parametrize("kw, stages, dtype, value", [
-    (CAUSAL_80, 1, np.float32, np.nan), (CAUSAL_80, 2, np.float32, np.nan), (SLIDING_80, 1, np.float32, np.nan),
-    (SLIDING_80, 2, np.float32, np.nan), (SLIDING_80, 1, BF16, np.inf), (CAUSAL_80, 2, np.float16, -np.inf)],
+# float32 with each mask and buffering; each 16-bit type once (the scan's test of its exponent fields);
+# column halves' pairs once
+@pytest.mark.parametrize("kw, stages, dtype, value, sx", [
+    (CAUSAL_80, 1, np.float32, np.nan, 1), (CAUSAL_80, 2, np.float32, np.nan, 1),
+    (SLIDING_80, 1, np.float32, np.nan, 1), (SLIDING_80, 2, np.float32, np.nan, 1), (SLIDING_80, 1, BF16, np.inf, 1),
+    (CAUSAL_80, 2, np.float16, -np.inf, 1), (SLIDING_80, 1, np.float32, np.nan, 2)],
     ids=["causal", "causal-two-stages", "sliding-non-causal", "sliding-non-causal-two-stages",
-         "bf16-inf-sliding-non-causal", "f16-minus-inf-causal-two-stages"])
-def test_non_finite_v_stays_in_the_rows_that_see_it(queue, product, kw, stages, dtype, value):
+         "bf16-inf-sliding-non-causal", "f16-minus-inf-causal-two-stages", "sliding-non-causal-column-pairs"])
+def test_non_finite_v_stays_in_the_rows_that_see_it(queue, product, kw, stages, dtype, value, sx):
     """A NaN or ±Inf of V in a block that crosses the mask reaches only the rows whose mask lets its key
     in (a matrix product would multiply it by their zero P), with one buffer of K and V or two (the
     block's flag set before the barrier that the products follow), at each storage type (the scan
-    tests each type's exponent field)."""
+    tests each type's exponent field), and in the warps' column halves (sx 2: the column of the NaN is
+    in the first half, the second half's rows stay finite)."""
     n, key, col = 80, 37, 5
     q, k, v = (ref.rnd((n, 1, 16), seed).astype(dtype) for seed in (1, 2, 3))
     v[key, 0, col] = value
     st = storage(np.dtype(dtype))
     sc = {"hd": 16, "st": st, "product": mma.forward_product(queue, st)[0]}
-    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages, "af": 1})
+    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages, "af": 1, "sx": sx})
     try:
         o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
     finally:
@@ -328,8 +336,10 @@ def test_path_choice(queue, monkeypatch):
 # dtype, keywords)
 EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
-            ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2}}),
-            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1})),
+            ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1}}),
+            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1})),
+            ("fwd", 48, np.float32, {"window": 50, "tiles": {"nw": 4, "bk": 16, "stages": 1, "af": 2, "sx": 2}}),
+            ("fwd", 64, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 32, "stages": 2, "af": 1, "sx": 2})),
             ("bwd", 32, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "af": 1, "stages": 2}, dkv={"cs": 1, "sx": 1})),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "causal": False, "softcap": 50.0})]  # no edge: 2 products a scope
@@ -337,7 +347,8 @@ EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2
 
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
                          ids=["bf16-128", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40-q-read",
-                              "bf16-48-sliding-2-two-stages", "bwd-bf16-sliding-2-two-stages",
+                              "bf16-48-sliding-2-two-stages", "tf32x3-48-column-pairs-q-read",
+                              "bf16-64-sliding-2-column-pairs-two-stages", "bwd-bf16-sliding-2-two-stages",
                               "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-non-causal-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
     ok, why = mma.probe(queue.device, queue.context, emulate=True)
@@ -382,13 +393,15 @@ def test_two_buffers_where_they_fit():
     and one at hd 256, where two would not fit; tf32x3 one of 32 keys at hd 128, of 16 at hd 256."""
     gpu = types.SimpleNamespace(type=cl.device_type.GPU, local_mem_size=49152, max_work_group_size=1024)
     got = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}) for hd in (64, 128, 256)}
-    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1}, 128: {"nw": 4, "bk": 32, "stages": 2, "af": 1},
-                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1}}
+    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1, "sx": 1},
+                   128: {"nw": 4, "bk": 32, "stages": 2, "af": 1, "sx": 1},
+                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1}}
     assert FWD_MMA.violation(gpu, {"hd": 256, "st": "bf16", "product": "bf16"}, dict(got[256], stages=2))
     for hd, p in got.items():
         FWD_MMA.check(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}, p)
     tf32 = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "float", "product": "tf32x3"}) for hd in (128, 256)}
-    assert tf32 == {128: {"nw": 4, "bk": 32, "stages": 1, "af": 1}, 256: {"nw": 4, "bk": 16, "stages": 1, "af": 2}}
+    assert tf32 == {128: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1},
+                    256: {"nw": 4, "bk": 16, "stages": 1, "af": 2, "sx": 1}}
     for hd, p in tf32.items():
         FWD_MMA.check(gpu, {"hd": hd, "st": "float", "product": "tf32x3"}, p)
 
