@@ -283,6 +283,7 @@ LOCAL = [
                                              {"bq": 16, "rq": 2, "tx": 8, "bk": 24, "vw": 2, "dc": 48, "kc": 12}]),
     (attn.FWD_MMA, {"hd": 40, "st": "float", "product": "fma"}, {"idx": "uint"}, [{"nw": 1, "bk": 32, "stages": 2, "af": 1, "sx": 1}]),
     (attn.FWD_MMA, {"hd": 40, "st": "bf16", "product": "fma"}, {"idx": "uint"}, [{"nw": 3, "bk": 16, "stages": 1, "af": 2, "sx": 1}]),
+    (attn.FWD_MMA, {"hd": 48, "st": "bf16", "product": "fma"}, {"idx": "uint"}, [{"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 2}]),
     (attn.BWD_MMA["dq"], {"hd": 40, "st": "bf16", "product": "fma"}, {"idx": "uint"}, [{"nw": 3, "bk": 32, "af": 2, "stages": 2}]),
     (attn.BWD_MMA["dkv"], {"hd": 40, "st": "float", "product": "fma"}, {"idx": "uint"},
      [{"nw": 1, "bk": 48, "af": 1, "cs": 1, "sx": 1}]),
