@@ -1,9 +1,9 @@
 // clops attention forward, matrix-unit driver: the same op as attention_fwd.cl.mako (layout,
 // variants, arguments, lse), organised for warp-level tile products (tile_products.cl.mako).
 //
-// Work-group (h, w, b) computes query head h of window (sequence) w for the BQ = 16·NW query
+// Work-group (h, w, b) computes query head h of window (sequence) w for the BQ = 16·NW/SX query
 // rows of block b (blocks in reverse, the heaviest first); warp wi of the group owns rows
-// row0 = q0 + 16·wi .. row0 + 15 (lane = lid % 32, g = lane / 4, t = lane % 4). Per key block
+// row0 = q0 + 16·(wi/SX) .. row0 + 15 (lane = lid % 32, g = lane / 4, t = lane % 4). Per key block
 // of BK keys: each warp scores its rows against the K staged in local memory (S = Q·Kᵀ, an
 // accumulator tile s[BK/8][4]), masks, scales (and caps) in the log2 domain, takes the online
 // softmax (row maxima and sums across the 4 lanes of a quad), then, V staged beside K, each
