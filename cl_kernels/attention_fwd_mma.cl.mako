@@ -161,6 +161,9 @@ ${tp.locals(kind)}\
     # the warp's columns of Q (and of K and V staged): sx 2 the half from col0
     part = dict(cols="(HD / 2)", base="qbase + col0") if sx == 2 else {}
     kpart, vpart = ("(ks + col0)", "(vs + col0)") if sx == 2 else ("ks", "vs")
+    # tf32x3's P·V in one chain where O takes 32 tiles (128 registers): four chains' extra 28
+    # registers spill there (qwen-hd256 4.4 % slower on an H100)
+    chains = 1 if hd // 8 // sx > 16 else 4
 %>\
 % if af == 1:
 ${tp.load_q(kind, st, **part)}\
@@ -293,12 +296,12 @@ ${v_landed()}\
 % endif
 % if edges:
         if (edge && nonfinite[FLAG(kb)]) {
-${tp.pv(kind, st, True, visible, bs=vpart, ncol="NCOL")}\
+${tp.pv(kind, st, True, visible, bs=vpart, ncol="NCOL", chains=chains)}\
         } else {
-${tp.pv(kind, st, False, visible, bs=vpart, ncol="NCOL")}\
+${tp.pv(kind, st, False, visible, bs=vpart, ncol="NCOL", chains=chains)}\
         }
 % else:
-${tp.pv(kind, st, False, visible, bs=vpart, ncol="NCOL")}\
+${tp.pv(kind, st, False, visible, bs=vpart, ncol="NCOL", chains=chains)}\
 % endif
     }
     // Row sums across the quad; rows inside the sequence stored, lse by the quad's first lane.
