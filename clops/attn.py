@@ -257,7 +257,8 @@ def _mma_heuristic(dev, sc):
     512, 185 against 155, or a softcap, 246 against 234; 2 warps slower there too, 2026-12-06: sliding-512
     143 / 154 / 130 against 190 / 199 / 173 at hd 256 / 128 / 64, and 16 or 64 keys at hd 128 190 / 187
     against 198); tf32x3 4 warps and 32 keys in one buffer (16 at hd 256, where 32 do not fit); the others the
-    H200's tiles, one buffer. Q held (af 1) but above hd 128 outside the 16-bit products."""
+    H200's tiles, one buffer. Q held (af 1), but above hd 128 for tf32x3 only in column halves' pairs (sx 2)
+    and read at each step (af 2) for the others."""
     if not dev.type & cl.device_type.GPU:
         return {"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 1}
     if sc["product"] in ("bf16", "f16"):
@@ -267,9 +268,11 @@ def _mma_heuristic(dev, sc):
     else:
         # tf32x3 from an H100's sweeps, 2026-12-06, with P·V's sums from zero each block: hd 64 0.533 ms
         # against 0.566 at 64 keys; hd 128 5.45 against 6.04 at 16 keys in two buffers, 5.69 with 8 warps;
-        # hd 256 (16 keys) 13.20 against 14.16 with 8 warps, 17.70 with Q held (it spills)
+        # 2026-12-07, P·V in four chains: hd 256 (16 keys) Q held by column halves' pairs 10.75 ms against
+        # 12.72 read at each step by whole rows, 15.22 held by whole rows (it spills), 10.97 with 8 warps
+        pairs = sc["product"] == "tf32x3" and sc["hd"] > 128 and sc["hd"] % 16 == 0
         p = dict({"nw": 4, "bk": 32} if sc["product"] == "tf32x3" else _h200_tiles(sc), stages=1,
-                 af=2 if sc["hd"] > 128 else 1, sx=1)
+                 af=2 if sc["hd"] > 128 and not pairs else 1, sx=2 if pairs else 1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
@@ -566,22 +569,23 @@ def _bwd_mma_heuristic(pass_):
             # the A operands held in registers (dq at hd 256 too, spilling: 4.50 ms against 5.77 read at
             # each step)
             p = {"nw": 8 if big and pass_ == "dq" else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
-            # tf32x3 reads its A operands at each step (L1) where holding them costs more: dq above hd 64,
-            # dkv above hd 128 (an H100's sweeps, 2026-12-06, tf32x3 at hd 128: dkv 15.1 ms held against
-            # 20.3 read, dq 10.2 read against 12.7 at best held; at hd 256 read at each step both)
-            if sc["product"] == "tf32x3" and sc["hd"] > (64 if pass_ == "dq" else 128):
-                p["af"] = 2
-                # dkv's column halves in four warp pairs above hd 128 (an H100's sweep, 2026-12-06: 33.0 ms
-                # against 36.2 in two)
-                if pass_ == "dkv":
-                    p["nw"] = 8
+            # tf32x3's dq, from an H100's sweeps, 2026-12-07 (P·V in four chains): A held, 8 warps above hd
+            # 128 only (hd 256 19.1 ms against 23.4 read at each step; hd 128 7.26 against 7.52 with 8
+            # warps, 7.70 read)
+            if sc["product"] == "tf32x3" and pass_ == "dq":
+                p["nw"] = 8 if sc["hd"] > 128 else 4
+            # tf32x3's dkv reads its A operands at each step (L1) above hd 128, its column halves in four
+            # warp pairs (an H100's sweeps, 2026-12-06: hd 128 15.1 ms held against 20.3 read; hd 256
+            # 33.0 in four pairs against 36.2 in two)
+            if sc["product"] == "tf32x3" and pass_ == "dkv" and sc["hd"] > 128:
+                p.update(af=2, nw=8)
         else:
             p = {"nw": 2, "bk": 16, "af": 1}
         if pass_ == "dq":
-            # the matrix units up to hd 64: 32 keys, in two buffers at 16 bits (an H100, 2026-12-06: bf16
-            # 0.187 ms against 0.209 at 64 keys in one; tf32x3 0.863 against 0.963 in one buffer)
-            small = gpu and sc["product"] != "fma" and sc["hd"] <= 64
-            p["stages"] = 2 if small and sc["product"] in ("bf16", "f16") else 1
+            # the 16-bit products up to hd 64: 32 keys in two buffers (an H100, 2026-12-06: bf16 0.187 ms
+            # against 0.209 at 64 keys in one); tf32x3 64 keys in one (2026-12-07: 0.651 against 0.688 at 32)
+            small = gpu and sc["product"] in ("bf16", "f16") and sc["hd"] <= 64
+            p["stages"] = 2 if small else 1
             if small:
                 p["bk"] = 32
         if pass_ == "dkv":
