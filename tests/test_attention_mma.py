@@ -340,6 +340,7 @@ EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2
             ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1})),
             ("fwd", 48, np.float32, {"window": 50, "tiles": {"nw": 4, "bk": 16, "stages": 1, "af": 2, "sx": 2}}),
             ("fwd", 64, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 32, "stages": 2, "af": 1, "sx": 2})),
+            ("fwd", 136, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1}}),
             ("bwd", 32, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "af": 1, "stages": 2}, dkv={"cs": 1, "sx": 1})),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "causal": False, "softcap": 50.0})]  # no edge: 2 products a scope
@@ -348,7 +349,7 @@ EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2
 @pytest.mark.parametrize("way, hd, dtype, kw", EMULATED,
                          ids=["bf16-128", "f16-40-sliding-2", "bf16-varlen-softcap", "tf32x3-40-q-read",
                               "bf16-48-sliding-2-two-stages", "tf32x3-48-column-pairs-q-read",
-                              "bf16-64-sliding-2-column-pairs-two-stages", "bwd-bf16-sliding-2-two-stages",
+                              "bf16-64-sliding-2-column-pairs-two-stages", "tf32x3-136-one-chain", "bwd-bf16-sliding-2-two-stages",
                               "bwd-bf16-sliding-2-stored", "bwd-tf32x3-varlen-non-causal-softcap"])
 def test_emulated_products(queue, way, hd, dtype, kw):
     ok, why = mma.probe(queue.device, queue.context, emulate=True)
