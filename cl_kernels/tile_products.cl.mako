@@ -554,15 +554,11 @@ ${a_words("a", "s16", src, base, stride, cols)}\
                             split(${bs}[(8 * j + 2 * t + 1) * KS + 8 * (n0 + i) + g], &bh[i][1], &bl[i][1]);
                         }
                     }
+% for a, b in (("al", "bh"), ("ah", "bl"), ("ah", "bh")):
                     #pragma unroll
                     for (int i = 0; i < ${chains}; ++i)
-                        if (n0 + i < ${ncol}) mma_tf32(blk[i], al[j][0], al[j][1], al[j][2], al[j][3], bh[i][0], bh[i][1]);
-                    #pragma unroll
-                    for (int i = 0; i < ${chains}; ++i)
-                        if (n0 + i < ${ncol}) mma_tf32(blk[i], ah[j][0], ah[j][1], ah[j][2], ah[j][3], bl[i][0], bl[i][1]);
-                    #pragma unroll
-                    for (int i = 0; i < ${chains}; ++i)
-                        if (n0 + i < ${ncol}) mma_tf32(blk[i], ah[j][0], ah[j][1], ah[j][2], ah[j][3], bh[i][0], bh[i][1]);
+                        if (n0 + i < ${ncol}) mma_tf32(blk[i], ${a}[j][0], ${a}[j][1], ${a}[j][2], ${a}[j][3], ${b}[i][0], ${b}[i][1]);
+% endfor
                 }
                 #pragma unroll
                 for (int i = 0; i < ${chains}; ++i) {
