@@ -567,13 +567,11 @@ def _bwd_mma_heuristic(pass_):
             # keys; dkv 4 warps and 32 query rows, above hd 128 the column halves in the two warps of
             # a pair (qwen-hd256: 6.12 ms against 9.65 in two groups; at hd 128 3.52 against 2.67 whole);
             # the A operands held in registers (dq at hd 256 too, spilling: 4.50 ms against 5.77 read at
-            # each step)
-            p = {"nw": 8 if big and pass_ == "dq" else 4, "bk": 32 if big or pass_ == "dkv" else 64, "af": 1}
-            # tf32x3's dq, from an H100's sweeps, 2026-12-07 (P·V in four chains): A held, 8 warps above hd
-            # 128 only (hd 256 19.1 ms against 23.4 read at each step; hd 128 7.26 against 7.52 with 8
-            # warps, 7.70 read)
-            if sc["product"] == "tf32x3" and pass_ == "dq":
-                p["nw"] = 8 if sc["hd"] > 128 else 4
+            # each step). tf32x3's dq the same warps, 32 keys from hd 128 (an H100's sweeps, 2026-12-07,
+            # P·V in four chains: hd 256 19.1 ms held against 23.4 read at each step; hd 128 7.26 against
+            # 7.52 with 8 warps, 7.70 read)
+            p = {"nw": 8 if pass_ == "dq" and sc["hd"] > 128 else 4, "bk": 32 if big or pass_ == "dkv" else 64,
+                 "af": 1}
             # tf32x3's dkv reads its A operands at each step (L1) above hd 128, its column halves in four
             # warp pairs (an H100's sweeps, 2026-12-06: hd 128 15.1 ms held against 20.3 read; hd 256
             # 33.0 in four pairs against 36.2 in two)
