@@ -355,7 +355,7 @@ ${zeros("dva", "HD / %d / 8" % cs)}\
     // Blocks in order of (query head, query block): block b is head gk·rep + b / nqb, queries from
     // qfirst + (b % nqb)·BK. Each reaches local memory without registers, dO and D first, Q and lse
     // second: dPᵀ = V·dOᵀ runs while Q lands, dK += dSᵀ·Q while the next dO does, the next dPᵀ
-    // while the next Q does. Four barriers a block (six with SX 2).
+    // while the next Q does. Four barriers a block, with SX 2 two more of the pair's warps alone.
     const uint nqb = qend > qfirst ? (qend - qfirst + BK - 1) / BK : 0, nblk = rep * nqb;
     if (lid == 0) nonfinite[0] = nonfinite[1] = 0;
     if (nblk > 0) {
@@ -390,9 +390,9 @@ ${tp.pair_add("dp")}\
 ${zeros("s", "BK / 8")}\
 ${tp.qk(kind, st, frag=None if af == 2 else "kf", bs="(qs + col0)" if sx == 2 else "qs", src="k", **part)}\
 % if sx == 2:
-        barrier(CLK_LOCAL_MEM_FENCE);  // the pair's dPᵀ read
+        PAIR_BARRIER();  // the pair's dPᵀ read
 ${tp.pair_share("s")}\
-        barrier(CLK_LOCAL_MEM_FENCE);  // the pair's Sᵀ shared
+        PAIR_BARRIER();  // the pair's Sᵀ shared
 ${tp.pair_add("s")}\
 % endif
         ${coefficients("s", "dp", "q0 + 8 * j + 2 * t + (e & 1)", "row0 + g + (e >> 1) * 8", "nl2s[8 * j + 2 * t + (e & 1)]", "dds[8 * j + 2 * t + (e & 1)]",

@@ -229,7 +229,7 @@ ${tp.pair_share("s")}\
 %   if stages == 1:
 ${v_landed()}\
 %   else:
-        barrier(CLK_LOCAL_MEM_FENCE);  // the pair's S shared
+        PAIR_BARRIER();  // the pair's S shared
 %   endif
 ${tp.pair_add("s")}\
 % endif

@@ -72,6 +72,13 @@ inline float softmax_exp2(float x)
     return y;
 }
 % endif
+// The two warps of a column halves' pair (SX 2) waiting for each other alone: on NVIDIA a hardware
+// barrier of their 64 threads (bar.sync 1 + the pair; OpenCL's barrier takes 0), elsewhere the group's.
+% if kind == "fma" or emulate:
+#define PAIR_BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
+% else:
+#define PAIR_BARRIER() asm volatile("bar.sync %0, 64;" :: "r"(1 + (uint)get_local_id(0) / 64) : "memory")
+% endif
 % if kind != "fma" and emulate:
 ${emulated_warps(kind, st)}\
 % elif kind != "fma":

@@ -284,8 +284,8 @@ FWD_MMA = Spec(
     _mma_heuristic,
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
                          (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2"),
-                         (p["sx"] == 1 or (p["sx"] == 2 and p["nw"] % 2 == 0 and sc["hd"] % 16 == 0),
-                          "sx must be 1, or 2 with nw even and hd a multiple of 16")),
+                         (p["sx"] == 1 or (p["sx"] == 2 and p["nw"] % 2 == 0 and p["nw"] <= 30 and sc["hd"] % 16 == 0),
+                          "sx must be 1, or 2 with nw even, at most 30 (a hardware barrier a pair) and hd a multiple of 16")),
     wg=lambda p, sc: 32 * p["nw"], local_bytes=lambda p, sc: _mma_local_bytes(p, sc, p["stages"]),
     render=lambda p, sc: {**PLAIN, "fuse": 0, "capref": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
@@ -601,8 +601,8 @@ def _bwd_mma_rules(p, sc):
             (p.get("stages", 1) in (1, 2), "stages must be 1 or 2"),
             (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"),
             (p.get("sx", 1) in (1, 2), "sx must be 1 or 2"),
-            (p.get("sx", 1) == 1 or (p["cs"] == 2 and p["nw"] % 2 == 0 and sc["hd"] % 32 == 0),
-             "sx 2 needs cs 2, an even nw and 32 dividing hd"))
+            (p.get("sx", 1) == 1 or (p["cs"] == 2 and p["nw"] % 2 == 0 and p["nw"] <= 30 and sc["hd"] % 32 == 0),
+             "sx 2 needs cs 2, an even nw of at most 30 (a hardware barrier a pair) and 32 dividing hd"))
 
 
 BWD_MMA = {pass_: Spec(
