@@ -475,19 +475,12 @@ ${zeros("acc", "HD / 8")}\
 ${tp.stage(kind, st, "kst[kb0 & 1]", "k", "kb0 * BK")}\
 ${tp.commit(kind)}\
     }
-    for (uint kb = kb0; kb < nkb; ++kb) {
-        const uint k0 = kb * BK;
-        __local const ${et} *ks = kst[kb & 1];
-${tp.landed(kind, 0)}\
-        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged; block kb − 1 done with the other buffer
-        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
-        if (kb + 1 < nkb) {
-${tp.stage(kind, st, "kst[(kb + 1) & 1]", "k", "k0 + BK")}\
-        }
-${tp.commit(kind)}\
 <%
     words = kind in ("bf16", "f16")  # the stored tiles are the product's A words as they stand
     sv = "uint4" if words else "float8"
+    # the warp's rows of stored dS tile kt of block kb as `sv`, 0 past the last block or outside the tiles
+    ds_tile = lambda kb, kt: "%s < nkb && row0 < T && %s >= TILE_LO(qt) && %s <= TILE_HI(qt) ? *(__global const %s *)(ds + %s) : (%s)(0)" % (
+        kb, kt, kt, sv, at("ds", "DS_TILE(h, qt, %s) + 8 * lane" % kt, 8), sv)
     # dp[BK/8][4]: the block's dS as floats in the accumulator layout (pv's P), from the tiles dsv
     dp_floats = "\n".join([
         "        float dp[BK / 8][4];",
@@ -498,12 +491,25 @@ ${tp.commit(kind)}\
         "            dp[2 * jj + 1][0] = x.s4; dp[2 * jj + 1][1] = x.s5; dp[2 * jj + 1][2] = x.s6; dp[2 * jj + 1][3] = x.s7;",
         "        }"])
 %>\
-        ${sv} dsv[BK / 16];  // the warp's rows of the block's stored dS tiles, 0 outside the tiles
+    ${sv} dsn[BK / 16];  // the warp's rows of the next block's stored dS tiles
+    #pragma unroll
+    for (int jj = 0; jj < BK / 16; ++jj) dsn[jj] = ${ds_tile("kb0", "kb0 * (BK / 16) + jj")};
+    for (uint kb = kb0; kb < nkb; ++kb) {
+        const uint k0 = kb * BK;
+        __local const ${et} *ks = kst[kb & 1];
+${tp.landed(kind, 0)}\
+        barrier(CLK_LOCAL_MEM_FENCE);  // K(kb) staged; block kb − 1 done with the other buffer
+        if (lid == 0) nonfinite[(kb + 1) & 1] = 0;
+        if (kb + 1 < nkb) {
+${tp.stage(kind, st, "kst[(kb + 1) & 1]", "k", "k0 + BK")}\
+        }
+${tp.commit(kind)}\
+        // this block's tiles, loaded a block ahead; the next block's in flight during its products
+        ${sv} dsv[BK / 16];
         #pragma unroll
         for (int jj = 0; jj < BK / 16; ++jj) {
-            const uint kt = k0 / 16 + jj;
-            dsv[jj] = row0 < T && kt >= TILE_LO(qt) && kt <= TILE_HI(qt)
-                ? *(__global const ${sv} *)(ds + ${at("ds", "DS_TILE(h, qt, kt) + 8 * lane", 8)}) : (${sv})(0);
+            dsv[jj] = dsn[jj];
+            dsn[jj] = ${ds_tile("kb + 1", "(kb + 1) * (BK / 16) + jj")};
         }
 % if not words:
 ${dp_floats}
