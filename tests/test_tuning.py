@@ -90,6 +90,17 @@ def test_configurations_and_rules():
     assert kept == [] and left_out == {"local memory ≤ CL_DEVICE_LOCAL_MEM_SIZE": 2}
 
 
+def test_column_pairs_take_at_most_30_warps():
+    """sx 2's pairs each wait at a hardware barrier of their own on NVIDIA (ids 1 .. 15): 32 warps refused."""
+    dev = types.SimpleNamespace(max_work_group_size=1024, local_mem_size=1 << 20)
+    sc = {"hd": 64, "st": "bf16", "product": "bf16"}
+    for name, space in (("attention_fwd_mma", {"nw": [30, 32], "bk": [16], "stages": [1], "af": [1], "sx": [2]}),
+                        ("attention_bwd_mma_dkv", {"nw": [30, 32], "bk": [16], "af": [1], "cs": [2], "sx": [2]})):
+        kept, left_out = tune.configurations(space, tune.FAMILIES[name].reject, dev, sc)
+        assert [p["nw"] for p in kept] == [30], name
+        assert list(left_out.values()) == [1] and "at most 30" in next(iter(left_out)), name
+
+
 def _on_device(queue, fam, sc):
     """Shape class ``sc`` for ``fam`` on ``queue``'s device: the matrix-unit driver's at bfloat16 with
     the device's products, or the portable ones."""
