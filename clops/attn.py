@@ -278,14 +278,25 @@ def _mma_heuristic(dev, sc):
     return p
 
 
+# sx 2: on NVIDIA each pair of warps waits at a hardware barrier of its own, ids 1 .. 15 (tile_products'
+# PAIR_BARRIER), so at most 15 pairs a group
+PAIR_WARPS_MAX = 30
+
+
+def _pair_warps(nw):
+    """``nw`` warps split into column halves' pairs (sx 2): an even count with a barrier id for each pair."""
+    return nw % 2 == 0 and nw <= PAIR_WARPS_MAX
+
+
 FWD_MMA = Spec(
     "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages", "af", "sx"),
     lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2], "af": [1, 2], "sx": [1, 2]},
     _mma_heuristic,
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
                          (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2"),
-                         (p["sx"] == 1 or (p["sx"] == 2 and p["nw"] % 2 == 0 and p["nw"] <= 30 and sc["hd"] % 16 == 0),
-                          "sx must be 1, or 2 with nw even, at most 30 (a hardware barrier a pair) and hd a multiple of 16")),
+                         (p["sx"] == 1 or (p["sx"] == 2 and _pair_warps(p["nw"]) and sc["hd"] % 16 == 0),
+                          f"sx must be 1, or 2 with nw even, at most {PAIR_WARPS_MAX} (a hardware barrier a pair) "
+                          "and hd a multiple of 16")),
     wg=lambda p, sc: 32 * p["nw"], local_bytes=lambda p, sc: _mma_local_bytes(p, sc, p["stages"]),
     render=lambda p, sc: {**PLAIN, "fuse": 0, "capref": 0, **p, "hd": sc["hd"], "st": sc["st"], "kind": sc["product"]},
     doc="attention forward on the matrix-unit driver (clops.mma chooses its tile products)")
@@ -601,8 +612,8 @@ def _bwd_mma_rules(p, sc):
             (p.get("stages", 1) in (1, 2), "stages must be 1 or 2"),
             (p.get("cs", 1) in (1, 2) and sc["hd"] % (8 * p.get("cs", 1)) == 0, "cs must be 1 or 2, 8·cs dividing hd"),
             (p.get("sx", 1) in (1, 2), "sx must be 1 or 2"),
-            (p.get("sx", 1) == 1 or (p["cs"] == 2 and p["nw"] % 2 == 0 and p["nw"] <= 30 and sc["hd"] % 32 == 0),
-             "sx 2 needs cs 2, an even nw of at most 30 (a hardware barrier a pair) and 32 dividing hd"))
+            (p.get("sx", 1) == 1 or (p["cs"] == 2 and _pair_warps(p["nw"]) and sc["hd"] % 32 == 0),
+             f"sx 2 needs cs 2, an even nw of at most {PAIR_WARPS_MAX} (a hardware barrier a pair) and 32 dividing hd"))
 
 
 BWD_MMA = {pass_: Spec(
