@@ -3,7 +3,8 @@
 Memory-bound ops run at n = 16384 tokens, d = 5120 (the SwiGLU family at width
 3·d) and report GB/s counting the bytes of every input read and every output
 written once, as a fraction of the copy bandwidth measured in the same run (a
-device-to-device copy, read + write). The two-op row "add+rms_norm" counts
+device-to-device copy, read + write), and of a copy of the op's own bytes (half of them read, half
+written: what a kernel of that size reaches, its start and drain not hidden behind more work). The two-op row "add+rms_norm" counts
 the bytes of ``add_rms_norm`` (what the fusion saves shows as a lower GB/s), and
 "rms_norm_bwd+dw" (two kernels) those of the one pass. Attention reports TFLOP/s (forward:
 4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that; at every dtype, its
@@ -596,6 +597,9 @@ def run_bench(queue, bench, data, torch, limits, out):
         limit = limits["copy_GBps"] if bench.unit == "GB/s" else limits["fp32_peak_TFLOPs"]
         rec.update(status="ok", ms=ms, times_ms=times, work=work, figure=fig,
                    fraction=None if limit is None else fig / limit, kernels_ms=split)
+        if bench.unit == "GB/s":
+            same = copy_bandwidth(queue, min(max(work // 2, 4), queue.device.max_mem_alloc_size))
+            rec.update(copy_same_size_GBps=same, same_size_fraction=fig / same)
     if torch is not None and bench.peers:
         rec["peers"] = {}
         for label, make in bench.peers:
@@ -619,7 +623,8 @@ def _print_row(name, rec, out):
         out(f"{head} {rec['status']}: {rec['reason']}")
     else:
         frac = "unknown" if rec["fraction"] is None else f"{rec['fraction']:.1%}"
-        out(f"{head} {rec['ms']:>9.4f} {rec['figure']:>9.4g} {rec['unit']:<7} {frac:>8}")
+        same = f" {rec['same_size_fraction']:>17.1%}" if "same_size_fraction" in rec else ""
+        out(f"{head} {rec['ms']:>9.4f} {rec['figure']:>9.4g} {rec['unit']:<7} {frac:>8}{same}")
     for label, peer in rec.get("peers", {}).items():
         if peer["status"] != "ok":
             out(f"    torch {label}: failed: {peer['reason']}")
@@ -699,7 +704,7 @@ def main(argv=None, queue=None, out=print):
     out(f"FP32 peak: {'unknown' if peak is None else f'{peak:.1f} TFLOP/s'}: {basis}")
     if a.peers:
         out(f"peers: {'PyTorch ' + torch.__version__ + ' on ' + torch.cuda.get_device_name() if torch else why}")
-    out(f"{'op':<36} {'shape':<26} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8}")
+    out(f"{'op':<36} {'shape':<26} {'ms':>9} {'figure':>9} {'unit':<7} {'of limit':>8} {'of same-size copy':>17}")
     data = Data(queue, DTYPES[a.dtype])
     ops = {}
     for bench in every:

@@ -49,6 +49,10 @@ def test_bench_small_json(queue, tmp_path):
     assert names == set(data["ops"]) and "swiglu_bwd" in names and "attention small-hd64" in names
     for name, rec in data["ops"].items():
         assert rec["status"] == "ok" and rec["ms"] > 0 and rec["figure"] > 0 and len(rec["times_ms"]) >= 7, rec
+        # the memory-bound rows beside a copy of their own bytes; attention's have no copy to compare with
+        assert ("copy_same_size_GBps" in rec) == (rec["unit"] == "GB/s"), name
+        if rec["unit"] == "GB/s":
+            assert rec["same_size_fraction"] == pytest.approx(rec["figure"] / rec["copy_same_size_GBps"])
     assert data["ops"]["swiglu_bwd"]["work"] == 5 * 4 * 256 * 3 * 512  # a, b, dc read; da, db written
     # each op's kernels, the device time of one call: the gain gradient's two stages apart
     assert set(data["ops"]["rms_norm_dw"]["kernels_ms"]) == {"rms_norm_dw_partial", "column_sum"}
