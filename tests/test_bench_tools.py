@@ -63,6 +63,22 @@ def test_bench_small_json(queue, tmp_path):
     assert rc == (0 if all(r["status"] == "ok" for r in data["ops"].values()) else 1)
 
 
+def test_a_failed_same_size_copy_leaves_the_op_standing(queue, monkeypatch):
+    """The copy of an op's own bytes failing (out of memory, say) is said in its row; the op's figures stand."""
+    real = bench.copy_bandwidth
+
+    def copy_bandwidth(queue, nbytes):
+        if nbytes < 16 * 2**20:  # the run's own copy (16 MiB at --small) succeeds, the rows' smaller ones fail
+            raise cl.MemoryError("clEnqueueCopyBuffer failed: MEM_OBJECT_ALLOCATION_FAILURE")
+        return real(queue, nbytes)
+
+    monkeypatch.setattr(bench, "copy_bandwidth", copy_bandwidth)
+    lines = []
+    assert bench.main(["--small", "--only", "swiglu_bwd"], queue=queue, out=lines.append) == 0
+    row = next(line for line in lines if line.startswith("swiglu_bwd"))
+    assert "GB/s" in row and "copy failed: MemoryError: clEnqueueCopyBuffer failed" in row
+
+
 def test_source_identity_changes_with_a_template(tmp_path, monkeypatch):
     """The tree hash covers the kernel templates: a copy hashes the same, one changed line does not."""
     from clops import program
