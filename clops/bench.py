@@ -7,8 +7,8 @@ device-to-device copy, read + write), and of a copy of the op's own bytes (half
 of them read, half written, up to that copy's size: what a kernel of that size
 reaches, its start and drain not hidden behind more work). The two-op row
 "add+rms_norm" counts the bytes of ``add_rms_norm`` (what the fusion saves shows
-as a lower GB/s), and "rms_norm_bwd+dw" (two kernels) those of the one pass. Attention reports TFLOP/s (forward:
-4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that; at every dtype, its
+as a lower GB/s), and "rms_norm_bwd+dw" (two kernels) those of the one pass.
+Attention reports TFLOP/s (forward: 4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that; at every dtype, its
 math being float32) as a fraction of the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
 the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
 device times from profiling events (the sum of an op's kernels, gaps between
