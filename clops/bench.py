@@ -8,11 +8,12 @@ of them read, half written, up to that copy's size: what a kernel of that size
 reaches, its start and drain not hidden behind more work). The two-op row
 "add+rms_norm" counts the bytes of ``add_rms_norm`` (what the fusion saves shows
 as a lower GB/s), and "rms_norm_bwd+dw" (two kernels) those of the one pass.
-Attention reports TFLOP/s (forward: 4·windows·nh·window²·hd/2 FLOPs; the backward 2.5 times that; at every dtype, its
-math being float32) as a fraction of the FP32 peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA),
-the lanes taken from a small table by vendor (:func:`fp32_lanes`). Times are
-device times from profiling events (the sum of an op's kernels, gaps between
-them left out): warm-up, then 7 runs, median kept.
+Attention reports TFLOP/s (forward: 4·windows·nh·window²·hd/2 FLOPs; the backward
+2.5 times that; at every dtype, its math being float32) as a fraction of the FP32
+peak: clock × compute units × FP32 lanes per compute unit × 2 (FMA), the lanes
+taken from a small table by vendor (:func:`fp32_lanes`). Times are device times
+from profiling events (the sum of an op's kernels, gaps between them left out):
+warm-up, then 7 runs, median kept.
 
 The attention variants (non-causal, softcap 30, varlen: seeded lengths between 1
 and 2·window over the shape's tokens, offsets on the device; sliding windows of
@@ -598,14 +599,14 @@ def run_bench(queue, bench, data, torch, limits, out):
         limit = limits["copy_GBps"] if bench.unit == "GB/s" else limits["fp32_peak_TFLOPs"]
         rec.update(status="ok", ms=ms, times_ms=times, work=work, figure=fig,
                    fraction=None if limit is None else fig / limit, kernels_ms=split)
-    if rec["status"] == "ok" and bench.unit == "GB/s":
-        # at most the run's own copy size: a larger op is read against that copy (and no more memory is taken)
-        try:
-            same = copy_bandwidth(queue, min(max(rec["work"] // 2, 4), limits["copy_bytes"]))
-        except cl.Error as e:  # the op's figures stand; the row says why this one is missing
-            rec["copy_same_size_failed"] = _why(e)
-        else:
-            rec.update(copy_same_size_GBps=same, same_size_fraction=rec["figure"] / same)
+        if bench.unit == "GB/s":
+            # at most the run's own copy size: a larger op is read against that copy (and no more memory is taken)
+            try:
+                same = copy_bandwidth(queue, min(max(work // 2, 4), limits["copy_bytes"]))
+            except cl.Error as e:  # the op's figures stand; the row says why this one is missing
+                rec["copy_same_size_failed"] = _why(e)
+            else:
+                rec.update(copy_same_size_GBps=same, same_size_fraction=fig / same)
     if torch is not None and bench.peers:
         rec["peers"] = {}
         for label, make in bench.peers:
