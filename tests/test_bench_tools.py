@@ -1,8 +1,11 @@
-"""`python -m clops bench` (small shapes, JSON), its device limits, and the tune CLI's listing and plot."""
+"""`python -m clops bench` (small shapes, JSON), its device limits, the tune CLI's listing and plot, and
+tools/bench_ab.py."""
 import json
+import re
 import shutil
 import sys
 import types
+from pathlib import Path
 
 import pyopencl as cl
 import pytest
@@ -176,3 +179,35 @@ def blas_available():
     import os
 
     return bool(os.environ.get("CLOPS_CLBLAST") or ctypes.util.find_library("clblast"))
+
+
+def test_bench_ab_runs_each_tree_and_refuses_the_same_code_twice(tmp_path, capsys):
+    """tools/bench_ab.py: each run imports its own tree's clops (checked by the tool from the run's JSON);
+    two trees of one code, or a directory without clops, stop it with an error."""
+    import importlib.util
+
+    from clops import program
+
+    spec = importlib.util.spec_from_file_location("bench_ab", Path(__file__).resolve().parents[1] / "tools" / "bench_ab.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    trees = {}
+    for name in ("base", "changed", "copy"):
+        trees[name] = tmp_path / name
+        shutil.copytree(Path(clops.__file__).parent, trees[name] / "clops", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(program.KERNEL_DIR, trees[name] / "cl_kernels")
+    common = trees["changed"] / "cl_kernels" / "common.cl.mako"
+    common.write_text(common.read_text() + "\n")
+    out = tmp_path / "runs"
+    bench_args = ["--", "--small", "--only", "swiglu_bwd"]
+    assert tool.main([str(trees["base"]), str(trees["changed"]), "--rounds", "1", "--out", str(out)] + bench_args) == 0
+    printed = capsys.readouterr().out
+    for name in ("base", "changed"):
+        ran = json.loads((out / f"{name}_1.json").read_text())["clops"]
+        assert Path(ran["path"]) == trees[name].resolve() / "clops" and f"{name} round 1: tree {ran['tree']}" in printed
+    assert re.search(r"swiglu_bwd GB/s +[0-9.]+ +[0-9.]+$", printed, re.M), printed
+    with pytest.raises(SystemExit, match="copy and base are the same code"):
+        tool.main([str(trees["base"]), str(trees["copy"]), "--rounds", "1", "--out", str(out)] + bench_args)
+    with pytest.raises(SystemExit):
+        tool.main([str(tmp_path), "--out", str(out)] + bench_args)
+    assert "holds no clops/ package" in capsys.readouterr().err
