@@ -16,22 +16,29 @@
 // work-item owns whole slots, so the rotation happens in its registers, with
 // one table load (VW float2, read as rvec: cos and sin interleaved) per pair.
 //
-// A work-group of WG work-items handles UPG units at a time; TPU = WG/UPG
-// consecutive work-items share a unit, work-item t owning its slots t,
-// t + TPU, ... (CH of them). The unit's sum of squares: each work-item writes
-// its own to local scratch, one barrier, then each adds its unit's TPU values
-// in a fixed order (the same bits in all of them); over 32 work-items a unit,
-// a fixed-order tree (common.group_sum) instead; at one work-item a unit, its
-// own sum (no barrier). On NVIDIA (ptx) a unit of a power of two ≤ 32
-// work-items adds by a butterfly of warp shuffles instead, no barrier.
+// A work-group of WG work-items is UPG segments of TPU = WG/UPG consecutive
+// work-items, work-item t of a segment owning the slots t, t + TPU, ... (CH of
+// them) of each of the segment's HPW units: consecutive units (u, u + 1, ...:
+// the heads of a row, but where a row ends), so that the gain's vectors and
+// the row's table vectors are loaded once for them (the table again only where
+// the next unit's row is at another position). A unit's sum of squares: each
+// work-item writes its own to local scratch, one barrier for the segment's
+// units, then each adds its unit's TPU values in a fixed order (the same bits
+// in all of them); over 32 work-items a unit (HPW 1), a fixed-order tree
+// (common.group_sum) instead; at one work-item a unit, its own sum (no
+// barrier). On NVIDIA (ptx) a unit of a power of two ≤ 32 work-items adds by a
+// butterfly of warp shuffles instead, no barrier.
 //
-// Backward: group g of G walks the units g·UPG, (g + G)·UPG, ... (UPG at a time,
-// the host's clops.norm.bwd_dw_groups giving G), so that at any time the groups'
+// Backward: group g of G walks the steps g·UPG, (g + G)·UPG, ... of UPG·HPW
+// units each (segment u of step u0 the units (u0 + u)·HPW ...; the host's
+// clops.norm.bwd_dw_groups giving G), so that at any time the groups'
 // units lie close together; each work-item adds
 // g·x·inv of every unit it walks for the dims it owns, in unit order; the
 // scratch of the per-unit sums alternates between two halves, so a step holds
 // one barrier (the tree's own last barrier does it over 32 work-items a unit).
-// The gain is read where it is used (cache hits), not held. At the end the UPG segments' sums are added in segment order
+// The gain is read where it is used (cache hits; the same loads for the
+// segment's units merged by the compiler), not held. At the end the UPG
+// segments' sums are added in segment order
 // (SL slices of segments, then the slices in order) into partial[g, :]. The
 // column sum over the partial rows (clops.norm.column_sum) finishes dw:
 // deterministic, no atomics.
@@ -51,11 +58,12 @@
 //
 // Parameters: HD head dim, HALF rotary half (0: no rotation, no rope
 // argument), WG work-items per group, vw the widest vector width wanted, UPG
-// units per group (per step), PF the backward's next step: 1 loaded when it
+// segments per group, HPW units a segment (UPG·HPW units a group, per step), PF
+// the backward's next step: 1 loaded when it
 // comes, 2 prefetched into the caches while this step waits on its sum (PTX
 // with `ptx`), 3 loaded into registers then (twice the step's registers), as
 // rms_norm.cl.mako's PF; IDX the index type, ST / WST the storage types above.
-<%page args="hd, half, wg, vw, upg, idx, st, wst, pf=1, ptx=0, varlen=0"/>
+<%page args="hd, half, wg, vw, upg, idx, st, wst, hpw=1, pf=1, ptx=0, varlen=0"/>
 ## varlen (a render flag, with HALF only; 0 renders the kernels above as they
 ## were): the kernels take cu, nseq + 1 int offsets of the sequences, after rope
 ## and nseq in place of window; unit u's position is the offset of its row in
@@ -85,6 +93,7 @@ ${common.storage(st, wst)}\
 #define WG ${wg}
 #define VW ${v}
 #define UPG ${upg}
+#define HPW ${hpw}
 #define TPU ${tpu}
 #define CH ${ch}
 typedef ${idx} idx_t;
@@ -113,13 +122,13 @@ def cos_sin(vw):
 %>
 <%def name="rope_arg()">${"__global const rvec *restrict rope, " if half else ""}${"__global const int *restrict cu, " if varlen else ""}</%def>
 
-## const uint pos: the position of `unit` (valid: `ok`) in the table.
-<%def name="position()">
+## uint `name`: the position in the table of unit `unit` (valid: `ok`).
+<%def name="position(name, unit, ok)">
 % if varlen:
         // Units past the end (!ok) have no sequence: position 0 keeps their reads in the table.
-        uint pos = 0;
-        if (ok) {
-            const int row = (int)(unit / heads);
+        uint ${name} = 0;
+        if (${ok}) {
+            const int row = (int)(${unit} / heads);
             uint lo = 0, hi = nseq;  // cu[lo] ≤ row < cu[hi]
             while (hi - lo > 1) {
                 const uint mid = (lo + hi) / 2;
@@ -128,77 +137,108 @@ def cos_sin(vw):
                 else
                     hi = mid;
             }
-            pos = (uint)(row - cu[${at("cu", "lo")}]);
+            ${name} = (uint)(row - cu[${at("cu", "lo")}]);
         }
 % else:
-        const uint pos = (uint)((unit / heads) % window);
+        uint ${name} = (uint)((${unit} / heads) % window);
 % endif
 </%def>
 
-## The table vectors r0[k] (r1[k]) of the work-item's pair slots at `pos`; zero elsewhere.
-<%def name="table(vw)">
+## The table vectors r0[k] (r1[k]) of the work-item's pair slots at `pos`, zero elsewhere: declared
+## (`decl`) or loaded again.
+<%def name="table(vw, pos, decl=True)">
 % if half:
+%   if decl:
         rvec r0[CH]${", r1[CH]" if vw == 16 else ""};
+%   endif
         #pragma unroll
         for (uint k = 0; k < CH; ++k) {
             const uint s = t + k * TPU;
             const bool p = PAIR(k, s);
 %   if vw == 16:
-            r0[k] = p ? rope[${at("rope", "(pos * NP + s) * 2")}] : (rvec)(0.0f);
-            r1[k] = p ? rope[${at("rope", "(pos * NP + s) * 2 + 1")}] : (rvec)(0.0f);
+            r0[k] = p ? rope[${at("rope", "(%s * NP + s) * 2" % pos)}] : (rvec)(0.0f);
+            r1[k] = p ? rope[${at("rope", "(%s * NP + s) * 2 + 1" % pos)}] : (rvec)(0.0f);
 %   else:
-            r0[k] = p ? rope[${at("rope", "pos * NP + s")}] : (rvec)(0.0f);
+            r0[k] = p ? rope[${at("rope", "%s * NP + s" % pos)}] : (rvec)(0.0f);
 %   endif
         }
 % endif
 </%def>
 
-## const float result: the sum of `val` over the TPU work-items of the unit, through `buf` (a
-## __local float * of WG floats). Uniform control flow (a barrier); `buf` must not be written
-## again before a barrier that every work-item passes after this.
-<%def name="unit_sum(result, val, buf, tpu)">
-% if tpu == 1:
-    const float ${result} = ${val};
-% elif tpu > 32:
-    ${common.group_sum(result, val, "(" + buf + " + seg * TPU)", "t", tpu, ptx=ptx)}
-% elif ptx and tpu & (tpu - 1) == 0:
-    // NVIDIA: the unit's work-items, a power of two inside one warp, add by a butterfly of shuffles (the
-    // same bits in all of them), no barrier
-    float ${result} = ${val};
-${common.butterfly_sum(result, [1 << i for i in range(tpu.bit_length() - 1)])}\
-% else:
-    ${buf}[lid] = ${val};
-    barrier(CLK_LOCAL_MEM_FENCE);
-    float ${result} = ${buf}[seg * TPU];
-    for (uint i = 1; i < TPU; ++i)
-        ${result} += ${buf}[seg * TPU + i];
+## Unit i > 0 of the segment's (`unit`, inside the units): the table again if its row's position is
+## not `pos` (the segment's units crossed into a row at another position).
+<%def name="table_for(vw, unit)">
+% if half and hpw > 1:
+        if (i > 0) {
+            ${position("pos_i", unit, "true")}
+            if (pos_i != pos) {
+                pos = pos_i;
+                ${table(vw, "pos", decl=False)}
+            }
+        }
 % endif
 </%def>
 
-## The backward's loads of the units of step `u0` (this work-item's vectors of dy and x, zeros past
-## the group's units) and their inv, into ga${sfx}, xa${sfx} (gb${sfx}, xb${sfx}) and iv${sfx}.
+## float result[HPW]: for each of the segment's HPW units, the sum of val[i] over its TPU work-items,
+## through `buf` (a __local float * of HPW·WG floats). Uniform control flow (a barrier); `buf` must not
+## be written again before a barrier that every work-item passes after this.
+<%def name="unit_sums(result, val, buf, tpu)">
+% if tpu > 32:
+    ## (one unit a segment: the host's rule)
+    ${common.group_sum(result + "_", val + "[0]", "(" + buf + " + seg * TPU)", "t", tpu, ptx=ptx)}
+    const float ${result}[1] = {${result}_};
+% else:
+    float ${result}[HPW];
+%   if tpu > 1 and not (ptx and tpu & (tpu - 1) == 0):
+    #pragma unroll
+    for (uint i = 0; i < HPW; ++i)
+        ${buf}[i * WG + lid] = ${val}[i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+%   endif
+    #pragma unroll
+    for (uint i = 0; i < HPW; ++i) {
+%   if tpu == 1:
+        ${result}[i] = ${val}[i];
+%   elif ptx and tpu & (tpu - 1) == 0:
+        // NVIDIA: the unit's work-items, a power of two inside one warp, add by a butterfly of shuffles
+        // (the same bits in all of them), no barrier
+        ${result}[i] = ${val}[i];
+${common.butterfly_sum(result + "[i]", [1 << j for j in range(tpu.bit_length() - 1)])}\
+%   else:
+        ${result}[i] = ${buf}[i * WG + seg * TPU];
+        for (uint j = 1; j < TPU; ++j)
+            ${result}[i] += ${buf}[i * WG + seg * TPU + j];
+%   endif
+    }
+% endif
+</%def>
+
+## The backward's loads of the units of step `u0` (the segment's HPW units from (u0 + seg)·HPW: this
+## work-item's vectors of dy and x, zeros past the units) and their inv, into ga${sfx}[i], xa${sfx}[i]
+## (gb${sfx}[i], xb${sfx}[i]) and iv${sfx}[i].
 <%def name="load_units(u0, sfx)">
-        {
-            const idx_t unit = ${u0} + seg;
+        #pragma unroll
+        for (uint i = 0; i < HPW; ++i) {
+            const idx_t unit = (${u0} + seg) * HPW + i;
             const bool ok = unit < units;
             const idx_t base = unit * HV;
             #pragma unroll
             for (uint k = 0; k < CH; ++k) {
                 const uint s = t + k * TPU;
                 const bool live = ok && LIVE(k, s);
-                ga${sfx}[k] = live ? ${loadv(st, v, "dy", "base + FIRST(k, s)")} : (vec)(0.0f);
-                xa${sfx}[k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
+                ga${sfx}[i][k] = live ? ${loadv(st, v, "dy", "base + FIRST(k, s)")} : (vec)(0.0f);
+                xa${sfx}[i][k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
 % if half:
-                gb${sfx}[k] = live && PAIR(k, s) ? ${loadv(st, v, "dy", "base + s + NP")} : (vec)(0.0f);
-                xb${sfx}[k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
+                gb${sfx}[i][k] = live && PAIR(k, s) ? ${loadv(st, v, "dy", "base + s + NP")} : (vec)(0.0f);
+                xb${sfx}[i][k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
 % endif
             }
-            iv${sfx} = ok ? inv[${at("inv", "unit")}] : 0.0f;
+            iv${sfx}[i] = ok ? inv[${at("inv", "unit")}] : 0.0f;
         }
 </%def>
 
-## The backward's stores of dx (`dx`: its formula of the vectors w{h}, g{h}[k], x{h}[k], h the
-## half a or b).
+## The backward's stores of dx for unit i (`dx`: its formula of the vectors w{h}, g{h}[i][k],
+## x{h}[i][k], h the half a or b).
 <%def name="dx_step(dx)">
             #pragma unroll
             for (uint k = 0; k < CH; ++k) {
@@ -225,74 +265,85 @@ void qk_norm_rope_fwd(__global ${vptr(st, v)} *restrict y, __global float *restr
                       const float w_offset${checked_args("y", "inv_out", "x", "w", *(["rope"] if half else []), *(["cu"] if varlen else []))})
 {
 % if tpu > 1:
-    __local float scratch[WG];
+    __local float scratch[HPW * WG];
 % endif
     const uint lid = get_local_id(0);
     const uint seg = lid / TPU, t = lid - seg * TPU;
-    const idx_t unit = (idx_t)get_group_id(0) * UPG + seg;
-    const bool ok = unit < units;
-    const idx_t base = unit * HV;
-    vec a[CH]${", b[CH]" if half else ""};
-    float ss = 0.0f;
+    const idx_t unit0 = ((idx_t)get_group_id(0) * UPG + seg) * HPW;  // the segment's first unit
+    vec a[HPW][CH]${", b[HPW][CH]" if half else ""};
+    float ss[HPW];
     #pragma unroll
-    for (uint k = 0; k < CH; ++k) {
-        const uint s = t + k * TPU;
-        const bool live = ok && LIVE(k, s);
-        a[k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
+    for (uint i = 0; i < HPW; ++i) {
+        const idx_t base = (unit0 + i) * HV;
+        const bool ok = unit0 + i < units;
+        ss[i] = 0.0f;
+        #pragma unroll
+        for (uint k = 0; k < CH; ++k) {
+            const uint s = t + k * TPU;
+            const bool live = ok && LIVE(k, s);
+            a[i][k] = live ? ${loadv(st, v, "x", "base + FIRST(k, s)")} : (vec)(0.0f);
 % if half:
-        b[k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
-        const vec sq = a[k] * a[k] + b[k] * b[k];
+            b[i][k] = live && PAIR(k, s) ? ${loadv(st, v, "x", "base + s + NP")} : (vec)(0.0f);
+            const vec sq = a[i][k] * a[i][k] + b[i][k] * b[i][k];
 % else:
-        const vec sq = a[k] * a[k];
+            const vec sq = a[i][k] * a[i][k];
 % endif
-        ss += ${lanes_sum(v, "sq")};
-    }
-% if half:
-    ${position()}
-    ${table(v)}
-% endif
-    ${unit_sum("total", "ss", "scratch", tpu)}
-    if (!ok)
-        return;
-    const float q = total / HD + eps;
-    // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
-    float inv = 1.0f / sqrt(q), inv_unit = inv;
-    if (${common.rescale("q")}) {
-        // Slow path (see common.rescale), no barriers: this work-item reads the unit again.
-        ${common.scaled_sumsq("r", lambda j: loadv(st, v, "x", "base + " + j), "HV", v)}
-        if (r_ok) {
-            ${common.scaled_inv("r", "HD", "eps")}
-            #pragma unroll
-            for (uint k = 0; k < CH; ++k) {
-                a[k] = ldexp(a[k], (ivec)(-r_se));
-% if half:
-                b[k] = ldexp(b[k], (ivec)(-r_se));
-% endif
-            }
-            inv = r_ivs;
-            inv_unit = ldexp(r_ivs, -r_se);
+            ss[i] += ${lanes_sum(v, "sq")};
         }
     }
-    #pragma unroll
-    for (uint k = 0; k < CH; ++k) {
-        const uint s = t + k * TPU;
-        if (!LIVE(k, s))
-            continue;
-        const vec ya = a[k] * inv * (${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset);
 % if half:
-        if (PAIR(k, s)) {
-            const vec yb = b[k] * inv * (${loadv(wst, v, "w", "s + NP")} + w_offset);
-            const vec c = ${c}, sn = ${sn};
-            ${storev(st, v, "ya * c - yb * sn", "y", "base + s")};
-            ${storev(st, v, "yb * c + ya * sn", "y", "base + s + NP")};
-        } else
-            ${storev(st, v, "ya", "y", "base + s + NP")};
-% else:
-        ${storev(st, v, "ya", "y", "base + s")};
+    ${position("pos", "unit0", "unit0 < units")}
+    ${table(v, "pos")}
 % endif
+    ${unit_sums("total", "ss", "scratch", tpu)}
+    #pragma unroll
+    for (uint i = 0; i < HPW; ++i) {
+        const idx_t unit = unit0 + i;
+        if (unit >= units)
+            break;  // and so are the segment's units after it
+        const idx_t base = unit * HV;
+${table_for(v, "unit")}\
+        const float q = total[i] / HD + eps;
+        // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
+        float inv = 1.0f / sqrt(q), inv_unit = inv;
+        if (${common.rescale("q")}) {
+            // Slow path (see common.rescale), no barriers: this work-item reads the unit again.
+            ${common.scaled_sumsq("r", lambda j: loadv(st, v, "x", "base + " + j), "HV", v)}
+            if (r_ok) {
+                ${common.scaled_inv("r", "HD", "eps")}
+                #pragma unroll
+                for (uint k = 0; k < CH; ++k) {
+                    a[i][k] = ldexp(a[i][k], (ivec)(-r_se));
+% if half:
+                    b[i][k] = ldexp(b[i][k], (ivec)(-r_se));
+% endif
+                }
+                inv = r_ivs;
+                inv_unit = ldexp(r_ivs, -r_se);
+            }
+        }
+        // The gain is read where it is used: the same loads for each of the segment's units, merged
+        #pragma unroll
+        for (uint k = 0; k < CH; ++k) {
+            const uint s = t + k * TPU;
+            if (!LIVE(k, s))
+                continue;
+            const vec ya = a[i][k] * inv * (${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset);
+% if half:
+            if (PAIR(k, s)) {
+                const vec yb = b[i][k] * inv * (${loadv(wst, v, "w", "s + NP")} + w_offset);
+                const vec c = ${c}, sn = ${sn};
+                ${storev(st, v, "ya * c - yb * sn", "y", "base + s")};
+                ${storev(st, v, "yb * c + ya * sn", "y", "base + s + NP")};
+            } else
+                ${storev(st, v, "ya", "y", "base + s + NP")};
+% else:
+            ${storev(st, v, "ya", "y", "base + s")};
+% endif
+        }
+        if (t == 0)
+            inv_out[${at("inv_out", "unit")}] = inv_unit;
     }
-    if (t == 0)
-        inv_out[${at("inv_out", "unit")}] = inv_unit;
 }
 
 // g = R⁻¹·dy; dx = inv·w·g − x·inv³/HD·Σ g·w·x (written); partial[g] = Σ_units g·x·inv.
@@ -304,7 +355,7 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
                       const float w_offset${checked_args("dx", "partial", "x", "w", "inv", *(["rope"] if half else []), *(["cu"] if varlen else []), "dy")})
 {
 % if tpu > 1 or sl > 1:
-    __local float scratch[2 * WG];  // the unit sums' two halves; then the slices of the last sum
+    __local float scratch[2 * HPW * WG];  // the unit sums' two halves; then the slices of the last sum
 % endif
     __local vec buf[UPG * HV];  // the segments' sums of g·x·inv
     const uint lid = get_local_id(0);
@@ -317,37 +368,41 @@ void qk_norm_rope_bwd(__global ${vptr(st, v)} *restrict dx, __global float *rest
         accb[k] = (vec)(0.0f);
 % endif
     }
-    // The units first, first + stride, ... (an H100, 2026-12-06, against a block of consecutive units a
-    // group: bf16 0.160 / 0.160 ms against 0.163 / 0.164 at hd 256; float32 0.296 / 0.295 against 0.305 /
-    // 0.307 at hd 256, 0.300 / 0.299 against 0.306 / 0.307 at hd 128, 0.064 / 0.064 against 0.065 at hd 64)
+    // Steps over the segments' HPW units at a time: segment u of step u0 takes the units (u0 + u)·HPW
+    // and the HPW − 1 after it. The steps first, first + stride, ... (an H100, 2026-12-06, against a block
+    // of consecutive units a group: bf16 0.160 / 0.160 ms against 0.163 / 0.164 at hd 256; float32 0.296 /
+    // 0.295 against 0.305 / 0.307 at hd 256, 0.300 / 0.299 against 0.306 / 0.307 at hd 128, 0.064 / 0.064
+    // against 0.065 at hd 64)
     const idx_t first = (idx_t)get_group_id(0) * UPG, stride = (idx_t)get_num_groups(0) * UPG;
+    const idx_t useg = (units + HPW - 1) / HPW;  // the segments' unit blocks
     uint flip = 0;  // the scratch half of this step
 % if pf == 3:
     // Double-buffered: the next step's units are loaded into registers (gan, xan, ..., ivn) while this
     // step waits on its sum, so memory stays busy across the barrier.
-    vec gan[CH], xan[CH]${", gbn[CH], xbn[CH]" if half else ""};
-    float ivn;
+    vec gan[HPW][CH], xan[HPW][CH]${", gbn[HPW][CH], xbn[HPW][CH]" if half else ""};
+    float ivn[HPW];
 ${load_units("first", "n")}\
 % endif
     // Uniform across the group: the barriers of the sums stay in uniform control flow.
-    for (idx_t u0 = first; u0 < units; u0 += stride) {
-        const idx_t unit = u0 + seg;
-        const bool ok = unit < units;
-        const idx_t base = unit * HV;
+    for (idx_t u0 = first; u0 < useg; u0 += stride) {
+        const idx_t unit0 = (u0 + seg) * HPW;
         // The gain is read where it is used (cache hits; compilers may hold it), not kept in arrays.
-        vec ga[CH], xa[CH]${", gb[CH], xb[CH]" if half else ""};
-        float iv;
+        vec ga[HPW][CH], xa[HPW][CH]${", gb[HPW][CH], xb[HPW][CH]" if half else ""};
+        float iv[HPW];
 % if pf == 3:
         #pragma unroll
-        for (uint k = 0; k < CH; ++k) {
-            ga[k] = gan[k];
-            xa[k] = xan[k];
+        for (uint i = 0; i < HPW; ++i) {
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                ga[i][k] = gan[i][k];
+                xa[i][k] = xan[i][k];
 %   if half:
-            gb[k] = gbn[k];
-            xb[k] = xbn[k];
+                gb[i][k] = gbn[i][k];
+                xb[i][k] = xbn[i][k];
 %   endif
+            }
+            iv[i] = ivn[i];
         }
-        iv = ivn;
 ${load_units("u0 + stride", "n")}\
 % else:
 ${load_units("u0", "")}\
@@ -355,85 +410,108 @@ ${load_units("u0", "")}\
 % if pf == 2:
         // The next step's units into the caches while this one waits on its sum: memory busy across the
         // barrier (no registers held). A hint: not a read, so neither guarded nor checked.
-        if (unit + stride < units) {
+        if (unit0 + stride * HPW < units) {
+            const idx_t next = (unit0 + stride * HPW) * HV;
             #pragma unroll
-            for (uint k = 0; k < CH; ++k) {
-                const uint s = t + k * TPU;
-                if (LIVE(k, s)) {
+            for (uint k = 0; k < HPW * CH; ++k) {
+                const uint s = t + k % CH * TPU;  // unit k / CH's slot
+                const idx_t base = next + k / CH * HV;
+                if (LIVE(k % CH, s)) {
 %   for a in ("dy", "x"):
-                    ${common.prefetch("%s + base + stride * HV + FIRST(k, s)" % a, ptx)};
+                    ${common.prefetch("%s + base + FIRST(k %% CH, s)" % a, ptx)};
 %     if half:
-                    if (PAIR(k, s))
-                        ${common.prefetch("%s + base + stride * HV + s + NP" % a, ptx)};
+                    if (PAIR(k % CH, s))
+                        ${common.prefetch("%s + base + s + NP" % a, ptx)};
 %     endif
 %   endfor
                 }
             }
         }
 % endif
-        float s_ = 0.0f;
-        // A unit whose inv is outside [2^−32, 2^32] (common.bwd_scaled) takes x̂ = x·inv = (x·2^−se)·ivs
-        // in place of x (rms_norm.cl.mako's bwd_scale), so its sum below is Σ g·w·x̂. No barriers.
-        const bool scaled = ok && ${common.bwd_scaled("iv")};
-        int se = 0;
-        float ivs = iv;
-        if (scaled) {
-            ${common.bwd_inv("u", "iv", lambda j: loadv(st, v, "x", "base + " + j), "HV", v, "HD")}
-            se = u_se;
-            ivs = u_ivs;
+% if half:
+        ${position("pos", "unit0", "unit0 < units")}
+        ${table(v, "pos")}
+% endif
+        float s_[HPW];
+        bool scaled[HPW];
+        int se[HPW];
+        float ivs[HPW];
+        #pragma unroll
+        for (uint i = 0; i < HPW; ++i) {
+            const idx_t unit = unit0 + i;
+            const bool ok = unit < units;
+            const idx_t base = unit * HV;
+            s_[i] = 0.0f;
+            // A unit whose inv is outside [2^−32, 2^32] (common.bwd_scaled) takes x̂ = x·inv = (x·2^−se)·ivs
+            // in place of x (rms_norm.cl.mako's bwd_scale), so its sum below is Σ g·w·x̂. No barriers.
+            scaled[i] = ok && ${common.bwd_scaled("iv[i]")};
+            se[i] = 0;
+            ivs[i] = iv[i];
+            if (scaled[i]) {
+                ${common.bwd_inv("u", "iv[i]", lambda j: loadv(st, v, "x", "base + " + j), "HV", v, "HD")}
+                se[i] = u_se;
+                ivs[i] = u_ivs;
+                #pragma unroll
+                for (uint k = 0; k < CH; ++k) {
+                    xa[i][k] = ldexp(xa[i][k], (ivec)(-se[i])) * ivs[i];
+% if half:
+                    xb[i][k] = ldexp(xb[i][k], (ivec)(-se[i])) * ivs[i];
+% endif
+                }
+            }
+% if half and hpw > 1:
+            if (ok) {
+${table_for(v, "unit")}\
+            }
+% endif
             #pragma unroll
             for (uint k = 0; k < CH; ++k) {
-                xa[k] = ldexp(xa[k], (ivec)(-se)) * ivs;
+                const uint s = t + k * TPU;
 % if half:
-                xb[k] = ldexp(xb[k], (ivec)(-se)) * ivs;
+                if (PAIR(k, s)) {  // the inverse rotation (a pass-through slot's b vectors stay zeros)
+                    const vec c = ${c}, sn = ${sn};
+                    const vec lo = ga[i][k], hi = gb[i][k];
+                    ga[i][k] = lo * c + hi * sn;
+                    gb[i][k] = hi * c - lo * sn;
+                }
 % endif
-            }
-        }
+                const vec wa = LIVE(k, s) ? ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset : (vec)(0.0f);
 % if half:
-        ${position()}
-        ${table(v)}
-% endif
-        #pragma unroll
-        for (uint k = 0; k < CH; ++k) {
-            const uint s = t + k * TPU;
-% if half:
-            if (PAIR(k, s)) {  // the inverse rotation (a pass-through slot's b vectors stay zeros)
-                const vec c = ${c}, sn = ${sn};
-                const vec lo = ga[k], hi = gb[k];
-                ga[k] = lo * c + hi * sn;
-                gb[k] = hi * c - lo * sn;
-            }
-% endif
-            const vec wa = LIVE(k, s) ? ${loadv(wst, v, "w", "FIRST(k, s)")} + w_offset : (vec)(0.0f);
-% if half:
-            const vec wb = PAIR(k, s) ? ${loadv(wst, v, "w", "s + NP")} + w_offset : (vec)(0.0f);
-            const vec p = wa * ga[k] * xa[k] + wb * gb[k] * xb[k];
+                const vec wb = PAIR(k, s) ? ${loadv(wst, v, "w", "s + NP")} + w_offset : (vec)(0.0f);
+                const vec p = wa * ga[i][k] * xa[i][k] + wb * gb[i][k] * xb[i][k];
 % else:
-            const vec p = wa * ga[k] * xa[k];
+                const vec p = wa * ga[i][k] * xa[i][k];
 % endif
-            s_ += ${lanes_sum(v, "p")};
+                s_[i] += ${lanes_sum(v, "p")};
+            }
         }
 % if tpu > 1 and not tree:
         __local float *sums = scratch + flip;
-        flip ^= WG;
+        flip ^= HPW * WG;
 % endif
-        ${unit_sum("total", "s_", "sums" if tpu > 1 and not tree else "scratch", tpu)}
-        if (scaled) {
-            // dx = 2^−se·ivs·(w·g − x̂·c), c = Σ g·w·x̂ / HD (inv·w·g − x·inv³/HD·Σ g·w·x).
-            const float c = total / HD;
-            ${dx_step("ldexp(ivs * (w{h} * g{h}[k] - x{h}[k] * c), (ivec)(-se))")}
-        } else {
-            const float coef = total / HD * iv * iv * iv;
-            ${dx_step("iv * w{h} * g{h}[k] - x{h}[k] * coef")}
-        }
-        // dw's terms g·x·inv, g·x̂ where scaled, out of the branches above
-        const float acc_inv = scaled ? 1.0f : iv;
+        ${unit_sums("total", "s_", "sums" if tpu > 1 and not tree else "scratch", tpu)}
         #pragma unroll
-        for (uint k = 0; k < CH; ++k) {
-            acca[k] += ga[k] * xa[k] * acc_inv;
+        for (uint i = 0; i < HPW; ++i) {
+            const idx_t unit = unit0 + i;
+            const bool ok = unit < units;
+            const idx_t base = unit * HV;
+            if (scaled[i]) {
+                // dx = 2^−se·ivs·(w·g − x̂·c), c = Σ g·w·x̂ / HD (inv·w·g − x·inv³/HD·Σ g·w·x).
+                const float c = total[i] / HD;
+                ${dx_step("ldexp(ivs[i] * (w{h} * g{h}[i][k] - x{h}[i][k] * c), (ivec)(-se[i]))")}
+            } else {
+                const float coef = total[i] / HD * iv[i] * iv[i] * iv[i];
+                ${dx_step("iv[i] * w{h} * g{h}[i][k] - x{h}[i][k] * coef")}
+            }
+            // dw's terms g·x·inv, g·x̂ where scaled, out of the branches above
+            const float acc_inv = scaled[i] ? 1.0f : iv[i];
+            #pragma unroll
+            for (uint k = 0; k < CH; ++k) {
+                acca[k] += ga[i][k] * xa[i][k] * acc_inv;
 % if half:
-            accb[k] += gb[k] * xb[k] * acc_inv;
+                accb[k] += gb[i][k] * xb[i][k] * acc_inv;
 % endif
+            }
         }
     }
     // The segments' sums: each segment's vectors into buf (every vector of a unit is one slot's),

@@ -30,18 +30,21 @@ float32 or that dtype, and ``dw`` takes ``w``'s (summed in float32, rounded once
 Layout of the kernels (``qk_norm_rope.cl.mako``): a unit is read in vectors of ``VW`` elements,
 ``VW`` dividing ``hd`` and ``half``, so that each rotation pair of vectors (dims ``[VW·p, VW·p + VW)``
 and their partners ``half`` further) belongs to one work-item, which rotates it in registers with
-one load of the table; ``wg/upg`` work-items share a unit, each owning a few such slots (pairs, or
-single vectors past ``2·half``), and add the unit's sum of squares through local memory after one
-barrier. The backward's groups each walk a range of units, keeping their gain-gradient sums in
-registers, and write one partial row each.
+one load of the table; ``wg/upg`` work-items (a segment) share a unit, each owning a few such slots
+(pairs, or single vectors past ``2·half``), and add the unit's sum of squares through local memory
+after one barrier. A segment takes ``hpw`` consecutive units (the heads of a row), loading the gain's
+and the row's table vectors once for them. The backward's groups each walk a range of units, keeping
+their gain-gradient sums in registers, and write one partial row each.
 
 Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class ``{"hd": hd, "st": st}``
 (``st`` the storage type of ``x``), parameters
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
-two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` units (row, head) handled at a
-time by a group (divides ``wg``; a unit is shared by ``wg/upg`` work-items), ``gpc`` backward
-groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
-groups, each walking at least ``MIN_STEPS`` steps of ``upg`` units
+two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` segments of a group (divides
+``wg``; a unit is shared by the ``wg/upg`` work-items of a segment), ``hpw`` units (row, head) a
+segment takes one after the other (1 to 4; above 1 only with at most 32 work-items a unit: the
+heuristic's 1 until a GPU sweep says otherwise), so ``upg·hpw`` units a group at a time, ``gpc``
+backward groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
+groups, each walking at least ``MIN_STEPS`` steps of ``upg·hpw`` units
 (:func:`clops.norm.bwd_dw_groups`), each group a partial row of the dw reduction, ``pf`` how the
 backward gets each next step's units: 1 loaded when the step comes, 2 prefetched into the caches while
 this step waits on its sum (PTX on NVIDIA), 3 loaded into registers then (twice the step's registers),
@@ -92,13 +95,13 @@ def heuristic(dev, sc):
     cap = wg_cap(dev)
     if dev.type & cl.device_type.CPU:
         wg = min(32, cap)
-        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4, "pf": 1}
+        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4, "hpw": 1, "pf": 1}
     vw = vector_width(4, hd)
     tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     narrow = sc["st"] != "float"
     wg = max(tpu, min(128 if narrow else 256, cap))
     pf = (2 if hd >= 128 else 3 if hd <= 64 else 1) if narrow and runtime.nvidia(dev) else 1
-    return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 4 if narrow else 2, "pf": pf}
+    return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 4 if narrow else 2, "hpw": 1, "pf": pf}
 
 
 def _pow2_floor(v):
@@ -115,7 +118,7 @@ def local_bytes(p, sc):
     unit sums' scratch (none at one work-item a unit, unless the last sum's slices use it) and the
     segments' sums of the gain gradient."""
     hd = sc["hd"]
-    scratch = 2 * p["wg"] if p["wg"] > p["upg"] or _slices(p, hd) > 1 else 0
+    scratch = 2 * p["hpw"] * p["wg"] if p["wg"] > p["upg"] or _slices(p, hd) > 1 else 0
     return 4 * (scratch + p["upg"] * hd)
 
 
@@ -125,17 +128,21 @@ def _render(p, sc):
 
 
 SPEC = Spec(
-    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "gpc", "pf"),
+    "qk_norm_rope", TEMPLATE, ("wg", "vw", "upg", "gpc", "hpw", "pf"),
     lambda sc: {"wg": [64, 128, 256, 512], "vw": [2, 4, 8], "upg": [2, 4, 8, 16, 32, 64],
-                "gpc": [1, 2, 4, 8], "pf": [1, 2, 3]},
+                "gpc": [1, 2, 4, 8], "hpw": [1, 2, 4], "pf": [1, 2, 3]},
     heuristic,
     rules=lambda p, sc: ((p["vw"] in VECTOR_WIDTHS, f"vw must be one of {VECTOR_WIDTHS}"),
                          (p["wg"] % p["upg"] == 0, "upg must divide wg"),
+                         (p["hpw"] in (1, 2, 3, 4), "hpw must be 1, 2, 3 or 4"),
+                         (p["hpw"] == 1 or p["wg"] // p["upg"] <= 32,
+                          "hpw above 1 needs at most 32 work-items a unit (wg/upg)"),
                          (p["pf"] in (1, 2, 3), "pf must be 1, 2 or 3")),
     local_bytes=local_bytes, render=_render,
-    doc="qk_norm_rope and qk_norm_rope_bwd: wg work-items per group, vw vector width, upg units per group "
-        "(per step), gpc backward groups per compute unit, pf the backward's next step (1 loaded when it "
-        "comes, 2 prefetched, 3 loaded into registers during this step's sum)")
+    doc="qk_norm_rope and qk_norm_rope_bwd: wg work-items per group, vw vector width, upg segments per group "
+        "(per step), hpw units (consecutive heads) a segment takes, the table and the gain loaded once for them, "
+        "gpc backward groups per compute unit, pf the backward's next step (1 loaded when it comes, 2 "
+        "prefetched, 3 loaded into registers during this step's sum)")
 
 
 def _geometry(queue, x, w):
@@ -196,7 +203,8 @@ def _plan(queue, name, units, hd, half, st="float", wst="float", varlen=0):
     sc = {"hd": hd, "st": st}
     p = SPEC.params(queue.device, sc)
     # unit offsets past the end (the last group's units), and the backward's unit ranges
-    idx = index_type((units + p["upg"]) * hd, 2 * units + p["upg"])
+    block = p["upg"] * p["hpw"]
+    idx = index_type((units + block) * hd, 2 * (units + block))
     _, knl = SPEC.kernels(queue, sc, half=half, idx=idx, st=st, wst=wst, varlen=varlen,
                           ptx=int(runtime.nvidia(queue.device)))
     return p, knl[name], index_scalar(idx)(units)
@@ -210,10 +218,11 @@ def _launch(queue, name, n, heads, hd, half, window, st, wst, varlen):
 
 def _launch_plan(queue, name, units, heads, hd, half, window, st, wst, varlen):
     p, knl, itype_units = _plan(queue, name, units, hd, half, st, wst, varlen)
+    block = p["upg"] * p["hpw"]  # the units of a group at a time
     if name == "qk_norm_rope_fwd":
-        groups = -(-units // p["upg"])
+        groups = -(-units // block)
     else:  # each group a partial row of dw
-        groups = bwd_dw_groups(queue.device, {"rpg": p["upg"], "gpc": p["gpc"]}, units, MIN_STEPS)
+        groups = bwd_dw_groups(queue.device, {"rpg": block, "gpc": p["gpc"]}, units, MIN_STEPS)
     return knl, (groups,), [itype_units, np.uint32(heads), np.uint32(window)]
 
 

@@ -309,7 +309,7 @@ LIMITS = [
     ("rms_norm_dw", "rms_norm_dw", {"d": D, "st": "float"}, lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "rb": 2},
      "work-items"),
     ("qk_norm_rope", "qk_norm_rope", {"hd": QD, "st": "float"},
-     lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "upg": 1, "gpc": 1, "pf": 1}, "work-items"),
+     lambda dev: {"wg": 2 * dev.max_work_group_size, "vw": 4, "upg": 1, "gpc": 1, "hpw": 1, "pf": 1}, "work-items"),
     ("attention", "attention_fwd", {"hd": HD},
      lambda dev: {"bq": 2 * dev.max_work_group_size, "rq": 1, "tx": 1, "bk": 8, "vw": 1, "dc": 8, "kc": 8},
      "work-items"),

@@ -86,7 +86,7 @@ def _qk_units(queue, small=4, big=50, hd=32, heads=2):
     p, knl, units = _plan(queue, "qk_norm_rope_fwd", big, hd, 0)
     bufs = [_zeros(queue, small, hd), _zeros(queue, small), _zeros(queue, small, hd), _zeros(queue, hd)]
     args = [b.data for b in bufs] + [units, np.uint32(heads), np.uint32(1), np.float32(1e-6), np.float32(1)]
-    return knl, (-(-big // p["upg"]),), args
+    return knl, (-(-big // (p["upg"] * p["hpw"])),), args
 
 
 def _attention_window(queue, small=8, big=40, nh=2, hd=8):

@@ -276,8 +276,10 @@ LOCAL = [
     (norm.BWD_DW, {"d": 96, "st": "float"}, {"idx": "uint"}, [{"wg": 64, "vw": 2, "rpg": 4, "rr": 1, "gpc": 2, "pf": 2},
                                                {"wg": 32, "vw": 4, "rpg": 1, "rr": 2, "gpc": 1, "pf": 1}]),
     (qk_rope.SPEC, {"hd": 32, "st": "float"}, {"idx": "uint", "half": 8},
-     [{"wg": 32, "vw": 2, "upg": 4, "gpc": 2, "pf": 1}, {"wg": 64, "vw": 4, "upg": 64, "gpc": 1, "pf": 3},  # the last sum in slices
-      {"wg": 16, "vw": 4, "upg": 16, "gpc": 1, "pf": 2}, {"wg": 64, "vw": 1, "upg": 1, "gpc": 1, "pf": 1}]),  # no scratch; the tree
+     [{"wg": 32, "vw": 2, "upg": 4, "gpc": 2, "hpw": 2, "pf": 1},  # two units a segment: twice the unit sums
+      {"wg": 64, "vw": 4, "upg": 64, "gpc": 1, "hpw": 1, "pf": 3},  # the last sum in slices
+      {"wg": 16, "vw": 4, "upg": 16, "gpc": 1, "hpw": 1, "pf": 2},  # no scratch
+      {"wg": 64, "vw": 1, "upg": 1, "gpc": 1, "hpw": 1, "pf": 1}]),  # the tree
     (qk_rope.SPEC, {"hd": 32, "st": "float"}, {"idx": "uint", "half": 8, "varlen": 1}, []),
     (attn.FWD, {"hd": 40}, {"idx": "uint"}, [{"bq": 12, "rq": 3, "tx": 3, "bk": 9, "vw": 1, "dc": 5, "kc": 3},
                                              {"bq": 16, "rq": 2, "tx": 8, "bk": 24, "vw": 2, "dc": 48, "kc": 12}]),

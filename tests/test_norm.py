@@ -239,7 +239,7 @@ def test_column_sum_in_two_stages(queue, dtype):
     clops.rms_norm_dw(queue, X, inv, DY, dw=DW)
     assert rel_err(DW.get(), base + ref.rms_norm_dw(x, inv.get(), dy)) <= 1e-5
     hd = d // 2  # x as [n, 2, hd]: 2·n units, two a partial row (clops.qk_rope.MIN_STEPS steps of one unit)
-    storage_override("qk_norm_rope", {"hd": hd}, dict(wg=8, vw=2, upg=2, gpc=1 << 20, pf=3))
+    storage_override("qk_norm_rope", {"hd": hd}, dict(wg=8, vw=2, upg=2, gpc=1 << 20, hpw=1, pf=3))
     try:
         w2 = rnd(hd, 5, 0.5).astype(dtype)
         X3, DY3, (W2,) = X.reshape(n, 2, hd), DY.reshape(n, 2, hd), to_device(queue, w2)

@@ -224,9 +224,11 @@ def run_qk_norm_rope(queue):
     x_, w_, dy_ = (cla.to_device(queue, a) for a in (x, w, dy))
     # 4 work-items a unit over its 2 slots at vw 4 (half 4: a pair and a vector; at half 0 3 vectors), backward
     # groups of several steps; one unit a group; 4 work-items a unit over 8 slots of vw 1, the backward's last
-    # sum in 2 slices; the backward's next step loaded during its sum (pf 3) and prefetched (pf 2)
-    for params in _tiles({"wg": 8, "vw": 4, "upg": 2, "gpc": 1, "pf": 3}, {"wg": 4, "vw": 1, "upg": 1, "gpc": 2, "pf": 2},
-                         {"wg": 32, "vw": 1, "upg": 8, "gpc": 1, "pf": 1}, None):
+    # sum in 2 slices, two units a segment (crossing rows); the backward's next step loaded during its sum (pf 3)
+    # and prefetched (pf 2)
+    for params in _tiles({"wg": 8, "vw": 4, "upg": 2, "gpc": 1, "hpw": 1, "pf": 3},
+                         {"wg": 4, "vw": 1, "upg": 1, "gpc": 2, "hpw": 1, "pf": 2},
+                         {"wg": 32, "vw": 1, "upg": 8, "gpc": 1, "hpw": 2, "pf": 1}, None):
         storage_override("qk_norm_rope", {"hd": hd}, params)
         for half in (4, 0):  # 8 of 12 dims rotated, the rest passed through; then no rotation
             table = ref.rope_table(window, half)

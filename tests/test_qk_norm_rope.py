@@ -182,24 +182,31 @@ def override():
 
 
 @pytest.mark.parametrize("hd,half,params", [
-    (256, 32, dict(wg=64, vw=4, upg=4, gpc=1, pf=3)),  # 16 work-items per unit over 56 slots; groups of many
+    (256, 32, dict(wg=64, vw=4, upg=4, gpc=1, hpw=1, pf=3)),  # 16 work-items per unit over 56 slots; groups of many
                                                        # steps, each loading the next during its sum
-    (256, 100, dict(wg=96, vw=2, upg=3, gpc=2, pf=2)),  # groups not a power of two; 50 pairs over 32
+    (256, 100, dict(wg=96, vw=2, upg=3, gpc=2, hpw=1, pf=2)),  # groups not a power of two; 50 pairs over 32
                                                         # work-items; the next step prefetched
-    (64, 13, dict(wg=64, vw=16, upg=1, gpc=4, pf=1)),     # an odd half: vw 1, 51 slots over 64 work-items (the tree)
-    (64, 32, dict(wg=32, vw=16, upg=16, gpc=1, pf=3)),    # vw 16: two table loads a pair; 2 work-items per unit
-    (128, 48, dict(wg=128, vw=8, upg=16, gpc=1, pf=2)),   # vw 8; 6 pairs and 4 pass-through vectors over 8 work-items
-    (12, 6, dict(wg=16, vw=8, upg=4, gpc=2, pf=1)),       # vw capped to 2 (divides 12 and 6); a work-item idle a unit
-    (20, 2, dict(wg=64, vw=4, upg=16, gpc=1, pf=3)),      # vw 2: one pair, 9 pass-through; the last sum in 3 slices
-    (16, 8, dict(wg=16, vw=4, upg=16, gpc=2, pf=1)),      # one work-item a unit: no unit sum through local memory
-    (24, 0, dict(wg=32, vw=4, upg=8, gpc=1, pf=3)),       # no rotation: 6 vectors over 4 work-items
-    (40, 20, dict(wg=8, vw=4, upg=2, gpc=64, pf=3)),      # many backward groups of a step or two (21 partial rows)
-    (512, 256, dict(wg=8, vw=1, upg=1, gpc=3, pf=1)),
+    (64, 13, dict(wg=64, vw=16, upg=1, gpc=4, hpw=1, pf=1)),     # an odd half: vw 1, 51 slots over 64 work-items (the tree)
+    (64, 32, dict(wg=32, vw=16, upg=16, gpc=1, hpw=1, pf=3)),    # vw 16: two table loads a pair; 2 work-items per unit
+    (128, 48, dict(wg=128, vw=8, upg=16, gpc=1, hpw=1, pf=2)),   # vw 8; 6 pairs and 4 pass-through vectors over 8 work-items
+    (12, 6, dict(wg=16, vw=8, upg=4, gpc=2, hpw=1, pf=1)),       # vw capped to 2 (divides 12 and 6); a work-item idle a unit
+    (20, 2, dict(wg=64, vw=4, upg=16, gpc=1, hpw=1, pf=3)),      # vw 2: one pair, 9 pass-through; the last sum in 3 slices
+    (16, 8, dict(wg=16, vw=4, upg=16, gpc=2, hpw=1, pf=1)),      # one work-item a unit: no unit sum through local memory
+    (24, 0, dict(wg=32, vw=4, upg=8, gpc=1, hpw=1, pf=3)),       # no rotation: 6 vectors over 4 work-items
+    (40, 20, dict(wg=8, vw=4, upg=2, gpc=64, hpw=1, pf=3)),      # many backward groups of a step or two (21 partial rows)
+    (512, 256, dict(wg=8, vw=1, upg=1, gpc=3, hpw=1, pf=1)),
+    # a segment's units one after the other, the table and the gain loaded once for them (3 heads a row)
+    (64, 16, dict(wg=64, vw=4, upg=16, gpc=1, hpw=2, pf=3)),  # segments crossing rows: the next row's table
+    (128, 32, dict(wg=32, vw=4, upg=4, gpc=2, hpw=3, pf=2)),  # a row a segment; the unit sums through local memory
+    (16, 8, dict(wg=16, vw=4, upg=16, gpc=2, hpw=4, pf=1)),   # one work-item a unit, four units
+    (24, 0, dict(wg=32, vw=4, upg=8, gpc=1, hpw=2, pf=1)),    # no rotation
 ])
 def test_launch_parameters(queue, override, hd, half, params):
     override(hd, params)
     x, w, dy = _data(14, 3, hd)
     _parity(queue, x, w, ref.rope_table(7, half), dy, True)
+    if params["hpw"] > 1 and half:
+        _gpu_layout_parity(queue, hd, half)  # bfloat16 over sequences: segments crossing into another one
 
 
 class _Platform:
@@ -249,13 +256,13 @@ def test_parameters_the_device_cannot_hold(queue, override):
     dev = queue.device
     X, W = to_device(queue, rnd((2, 1, 512), 1), rnd(512, 2))
     upg = 1 << (dev.local_mem_size // (4 * 512)).bit_length()  # units whose rows overflow local memory
-    override(512, dict(wg=upg, vw=4, upg=upg, gpc=1, pf=1))
+    override(512, dict(wg=upg, vw=4, upg=upg, gpc=1, hpw=1, pf=1))
     with pytest.raises(clops.LimitError, match="local memory"):
         clops.qk_norm_rope(queue, X, W, None)
-    override(512, dict(wg=2 * dev.max_work_group_size, vw=4, upg=1, gpc=1, pf=1))
+    override(512, dict(wg=2 * dev.max_work_group_size, vw=4, upg=1, gpc=1, hpw=1, pf=1))
     with pytest.raises(clops.LimitError, match="MAX_WORK_GROUP_SIZE"):
         clops.qk_norm_rope(queue, X, W, None)
-    override(512, dict(wg=64, vw=4, upg=3, gpc=1, pf=1))
+    override(512, dict(wg=64, vw=4, upg=3, gpc=1, hpw=1, pf=1))
     with pytest.raises(ValueError, match="upg must divide"):
         clops.qk_norm_rope(queue, X, W, None)
 
@@ -265,7 +272,7 @@ def test_tiles_are_chosen_per_storage_type(queue):
     hd = 32
     x = rnd((2, 1, hd), 1)
     X, W, XB = to_device(queue, x, rnd(hd, 2), x.astype(ml_dtypes.bfloat16))
-    tuning.override("qk_norm_rope", {"hd": hd, "st": "bf16"}, dict(wg=64, vw=4, upg=3, gpc=1, pf=1))
+    tuning.override("qk_norm_rope", {"hd": hd, "st": "bf16"}, dict(wg=64, vw=4, upg=3, gpc=1, hpw=1, pf=1))
     try:
         clops.qk_norm_rope(queue, X, W, None)  # float32: the heuristic's tiles
         with pytest.raises(ValueError, match="upg must divide"):
@@ -319,7 +326,7 @@ def test_checked_build_catches_a_table_read_past_its_end(queue, monkeypatch):
     args = [y.data, inv.data, X.data, W.data, R.data, units, np.uint32(1), np.uint32(5), np.float32(1e-6),
             np.float32(1)]
     with pytest.raises(OutOfBoundsError, match=r"qk_norm_rope_fwd .*rope\["):
-        knl(queue, (-(-5 // p["upg"]),), args)
+        knl(queue, (-(-5 // (p["upg"] * p["hpw"])),), args)
 
 
 # ---- float16 / bfloat16 storage ----
