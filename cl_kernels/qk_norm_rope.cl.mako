@@ -165,18 +165,14 @@ def cos_sin(vw):
 % endif
 </%def>
 
-## Unit i > 0 of the segment's (`unit`, inside the units): the table again if its row's position is
+## A later unit of the segment (`unit`, inside the units): the table again if its row's position is
 ## not `pos` (the segment's units crossed into a row at another position).
 <%def name="table_for(vw, unit)">
-% if half and hpw > 1:
-        if (i > 0) {
             ${position("pos_i", unit, "true")}
             if (pos_i != pos) {
                 pos = pos_i;
                 ${table(vw, "pos", decl=False)}
             }
-        }
-% endif
 </%def>
 
 ## float result[HPW]: for each of the segment's HPW units, the sum of val[i] over its TPU work-items,
@@ -302,7 +298,11 @@ void qk_norm_rope_fwd(__global ${vptr(st, v)} *restrict y, __global float *restr
         if (unit >= units)
             break;  // and so are the segment's units after it
         const idx_t base = unit * HV;
+% if half and hpw > 1:
+        if (i > 0) {
 ${table_for(v, "unit")}\
+        }
+% endif
         const float q = total[i] / HD + eps;
         // 1/sqrt, not rsqrt: rsqrt's error bound is too loose for the 1e-6 parity.
         float inv = 1.0f / sqrt(q), inv_unit = inv;
@@ -429,8 +429,8 @@ ${load_units("u0", "")}\
         }
 % endif
 % if half:
-        ${position("pos", "unit0", "unit0 < units")}
-        ${table(v, "pos")}
+        uint pos;
+        rvec r0[CH]${", r1[CH]" if v == 16 else ""};
 % endif
         float s_[HPW];
         bool scaled[HPW];
@@ -459,10 +459,18 @@ ${load_units("u0", "")}\
 % endif
                 }
             }
-% if half and hpw > 1:
-            if (ok) {
+% if half:
+            // the table after the slow path (fewer registers held through it)
+            if (i == 0) {
+                ${position("pos0", "unit0", "ok")}
+                pos = pos0;
+                ${table(v, "pos", decl=False)}
+            }
+%   if hpw > 1:
+            else if (ok) {
 ${table_for(v, "unit")}\
             }
+%   endif
 % endif
             #pragma unroll
             for (uint k = 0; k < CH; ++k) {
