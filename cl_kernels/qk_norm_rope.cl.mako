@@ -37,7 +37,7 @@
 // scratch of the per-unit sums alternates between two halves, so a step holds
 // one barrier (the tree's own last barrier does it over 32 work-items a unit).
 // The gain is read where it is used (cache hits; the same loads for the
-// segment's units merged by the compiler), not held. At the end the UPG
+// segment's units merged by the compiler, as in the forward), not held. At the end the UPG
 // segments' sums are added in segment order
 // (SL slices of segments, then the slices in order) into partial[g, :]. The
 // column sum over the partial rows (clops.norm.column_sum) finishes dw:
@@ -322,7 +322,8 @@ ${table_for(v, "unit")}\
                 inv_unit = ldexp(r_ivs, -r_se);
             }
         }
-        // The gain is read where it is used: the same loads for each of the segment's units, merged
+        // The gain is read where it is used: a later unit's loads are the first's, merged by the compiler
+        // (LLVM 15's NVPTX build of hd 64: no gain load added a unit)
         #pragma unroll
         for (uint k = 0; k < CH; ++k) {
             const uint s = t + k * TPU;
