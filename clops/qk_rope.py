@@ -41,9 +41,9 @@ Tuning (``clops.tuning``; the spec ``SPEC``): op ``"qk_norm_rope"``, shape class
 ``wg`` work-items per group, ``vw`` vector width (1, 2, 4, 8 or 16; the largest power of
 two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` segments of a group (divides
 ``wg``; a unit is shared by the ``wg/upg`` work-items of a segment), ``hpw`` units (row, head) a
-segment takes one after the other (1 to 4; above 1 only with at most 32 work-items a unit: the
-heuristic's 1 until a GPU sweep says otherwise), so ``upg·hpw`` units a group at a time, ``gpc``
-backward groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
+segment takes one after the other (1 to 4; above 1 only with at most 32 work-items a unit: the GPU
+heuristic's 1 until a GPU sweep says otherwise; on CPUs 2 at float32 up to hd 64), so ``upg·hpw``
+units a group at a time, ``gpc`` backward groups per compute unit: the backward's grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS
 groups, each walking at least ``MIN_STEPS`` steps of ``upg·hpw`` units
 (:func:`clops.norm.bwd_dw_groups`), each group a partial row of the dw reduction, ``pf`` how the
 backward gets each next step's units: 1 loaded when the step comes, 2 prefetched into the caches while
@@ -78,6 +78,11 @@ def heuristic(dev, sc):
     fill a compute unit's registers and the whole grid is resident at once). CPUs: vectors of 8, one
     work-item a unit (no barrier a step), groups of 32, four backward groups per compute unit: on
     PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512.
+    There, at float32 up to hd 64, two units a work-item (``hpw`` 2; 2026-12-07, 2 cores, forward +
+    backward of 4096 rows × 8 heads at hd 64: PoCL 3.1 1.09-1.23 ms against 1.32-1.54, Intel's runtime
+    1.02-1.50 against 1.45-1.62, three runs each; hd 32 over 8192 rows 0.71-0.73 against 0.77-1.47);
+    at hd 128 and at bf16 (hd 64) one is as fast or faster (PoCL hd 128 3.13 against 3.59; bf16 2.05-2.21
+    against 2.15-2.19, Intel 2.07-2.09 against 2.18-2.19).
     At 16-bit storage on a GPU, the same work-items a unit in groups of 128, four backward groups per
     compute unit: on an H100 (2026-12-05, bf16, forward + backward) 0.089 / 0.154 / 0.285 ms against
     0.094 / 0.162 / 0.300 at hd 64 / 128 / 256; at float32 that layout is no faster at hd 64 and slower
@@ -95,7 +100,8 @@ def heuristic(dev, sc):
     cap = wg_cap(dev)
     if dev.type & cl.device_type.CPU:
         wg = min(32, cap)
-        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4, "hpw": 1, "pf": 1}
+        hpw = 2 if sc["st"] == "float" and hd <= 64 else 1
+        return {"wg": wg, "vw": vector_width(8, hd), "upg": wg, "gpc": 4, "hpw": hpw, "pf": 1}
     vw = vector_width(4, hd)
     tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     narrow = sc["st"] != "float"
