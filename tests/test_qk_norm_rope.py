@@ -183,9 +183,9 @@ def override():
 
 @pytest.mark.parametrize("hd,half,params", [
     (256, 32, dict(wg=64, vw=4, upg=4, gpc=1, hpw=1, pf=3)),  # 16 work-items per unit over 56 slots; groups of many
-                                                       # steps, each loading the next during its sum
+                                                              # steps, each loading the next during its sum
     (256, 100, dict(wg=96, vw=2, upg=3, gpc=2, hpw=1, pf=2)),  # groups not a power of two; 50 pairs over 32
-                                                        # work-items; the next step prefetched
+                                                               # work-items; the next step prefetched
     (64, 13, dict(wg=64, vw=16, upg=1, gpc=4, hpw=1, pf=1)),     # an odd half: vw 1, 51 slots over 64 work-items (the tree)
     (64, 32, dict(wg=32, vw=16, upg=16, gpc=1, hpw=1, pf=3)),    # vw 16: two table loads a pair; 2 work-items per unit
     (128, 48, dict(wg=128, vw=8, upg=16, gpc=1, hpw=1, pf=2)),   # vw 8; 6 pairs and 4 pass-through vectors over 8 work-items

@@ -143,10 +143,10 @@ def test_add_rms_norm_rows_outside_the_square_range(queue, dtype):
 @pytest.mark.parametrize("dtype", RANGE_DTYPES, ids=str)
 @pytest.mark.parametrize("hd,half,params", [
     (128, 32, dict(wg=64, vw=4, upg=8, gpc=1, hpw=1, pf=3)),  # 8 work-items a unit (the GPU heuristic's layout at
-                                                       # hd 128), the next step loaded during the sum
+                                                              # hd 128), the next step loaded during the sum
     (128, 32, dict(wg=64, vw=4, upg=4, gpc=1, hpw=2, pf=3)),  # two units a segment, one after the other
     (36, 6, dict(wg=64, vw=4, upg=1, gpc=2, hpw=1, pf=2)),    # an odd rotary half's vw 2, 15 slots over 64 work-items
-                                                       # (the tree), the next step prefetched
+                                                              # (the tree), the next step prefetched
     (64, 0, None),                               # no rotation; the device's layout
 ])
 def test_qk_norm_rope_units_outside_the_square_range(queue, dtype, hd, half, params):
