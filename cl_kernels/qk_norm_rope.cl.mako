@@ -411,20 +411,23 @@ ${load_units("u0", "")}\
 % if pf == 2:
         // The next step's units into the caches while this one waits on its sum: memory busy across the
         // barrier (no registers held). A hint: not a read, so neither guarded nor checked.
-        if (unit0 + stride * HPW < units) {
-            const idx_t next = (unit0 + stride * HPW) * HV;
-            #pragma unroll
-            for (uint k = 0; k < HPW * CH; ++k) {
-                const uint s = t + k % CH * TPU;  // unit k / CH's slot
-                const idx_t base = next + k / CH * HV;
-                if (LIVE(k % CH, s)) {
+        #pragma unroll
+        for (uint i = 0; i < HPW; ++i) {
+            const idx_t next = unit0 + stride * HPW + i;
+            if (next < units) {  // addresses inside the buffers
+                const idx_t base = next * HV;
+                #pragma unroll
+                for (uint k = 0; k < CH; ++k) {
+                    const uint s = t + k * TPU;
+                    if (LIVE(k, s)) {
 %   for a in ("dy", "x"):
-                    ${common.prefetch("%s + base + FIRST(k %% CH, s)" % a, ptx)};
+                        ${common.prefetch("%s + base + FIRST(k, s)" % a, ptx)};
 %     if half:
-                    if (PAIR(k % CH, s))
-                        ${common.prefetch("%s + base + s + NP" % a, ptx)};
+                        if (PAIR(k, s))
+                            ${common.prefetch("%s + base + s + NP" % a, ptx)};
 %     endif
 %   endfor
+                    }
                 }
             }
         }
