@@ -80,7 +80,8 @@ def heuristic(dev, sc):
     PoCL and Intel's runtime the fastest of the layouts tried, forward and backward, at hd 64 to 512.
     There, at float32 up to hd 64, two units a work-item (``hpw`` 2; 2026-12-07, 2 cores, forward +
     backward of 4096 rows × 8 heads at hd 64: PoCL 3.1 1.09-1.23 ms against 1.32-1.54, Intel's runtime
-    1.02-1.50 against 1.45-1.62, three runs each; hd 32 over 8192 rows 0.71-0.73 against 0.77-1.47);
+    1.02-1.50 against 1.45-1.62, three runs each; hd 32 over 8192 rows, both runtimes, two runs each, 0.71-0.73
+    against 0.77-1.47, over 4096 rows mixed, 0.40-0.95 against 0.76-0.91);
     at hd 128 and at bf16 (hd 64) one is as fast or faster (PoCL hd 128 3.13 against 3.59; bf16 2.05-2.21
     against 2.15-2.19, Intel 2.07-2.09 against 2.18-2.19).
     At 16-bit storage on a GPU, the same work-items a unit in groups of 128, four backward groups per
