@@ -1,9 +1,12 @@
 // clops attention forward, matrix-unit driver: the same op as attention_fwd.cl.mako (layout,
 // variants, arguments, lse), organised for warp-level tile products (tile_products.cl.mako).
 //
-// Work-group (h, w, b) computes query head h of window (sequence) w for the BQ = 16·NW/SX query
-// rows of block b (blocks in reverse, the heaviest first); warp wi of the group owns rows
-// row0 = q0 + 16·(wi/SX) .. row0 + 15 (lane = lid % 32, g = lane / 4, t = lane % 4). Per key block
+// Work-group (hg, w, b) computes the GP query heads hg·GP .. of window (sequence) w, which share a
+// KV head, for the BQ = 16·NW/SX/GP query rows of block b (blocks in reverse, the heaviest first):
+// its row tiles of 16 rows (SX warps each) are the heads' in turn, so that a block of keys staged
+// serves GP heads while the group spans BQ positions (under a sliding window, fewer keys outside it).
+// Warp wi owns head h = hg·GP + (wi/SX)/(NW/SX/GP) at rows row0 = q0 + 16·((wi/SX) % (NW/SX/GP)) ..
+// row0 + 15 (lane = lid % 32, g = lane / 4, t = lane % 4). Per key block
 // of BK keys: each warp scores its rows against the K staged in local memory (S = Q·Kᵀ, an
 // accumulator tile s[BK/8][4]), masks, scales (and caps) in the log2 domain, takes the online
 // softmax (row maxima and sums across the 4 lanes of a quad), then, V staged beside K, each
@@ -18,8 +21,8 @@
 // P·V takes the product's exact masked form instead, so a NaN or Inf of V reaches only the
 // rows that see it.
 //
-// Parameters: NW warps per group, BK keys per block (a multiple of 16), HD head dim (a multiple
-// of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and
+// Parameters: NW warps per group, GP query heads a group (dividing both NW/SX and the heads a KV
+// head serves), BK keys per block (a multiple of 16), HD head dim (a multiple of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and
 // V (1, or 2: a block's staged during the whole block before it, one barrier a block); FUSE: the score
 // coefficient c is positive (the host's test), so that the scale can wait for the softmax's fma.
 // CAPREF (softcap at most clops.attn.CAPREF_MAX): cap is every row's reference max, no row maxima.
@@ -86,7 +89,7 @@ ${tp.commit(kind)}\
 </%def>\
 <%namespace name="common" file="common.cl.mako"/>\
 <%namespace name="tp" file="tile_products.cl.mako"/>\
-${tp.geometry(st, hd, nw, bk, sx)}\
+${tp.geometry(st, hd, nw, bk, sx, gp)}\
 typedef ${idx} idx_t;
 ${common.guards()}\
 ${common.storage(st)}\
@@ -108,8 +111,9 @@ void attention_fwd(__global const ${et} *restrict q, __global const ${et} *restr
 ${tp.locals(kind)}\
 
     const uint lid = get_local_id(0), lane = lid % 32, wi = lid / 32, g = lane / 4, t = lane % 4;
-    const uint h = get_group_id(0), w = get_group_id(1);
-    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi / SX * 16;
+    const uint tiles = NW / SX / GP;  // row tiles a head
+    const uint h = get_group_id(0) * GP + wi / SX / tiles, w = get_group_id(1);
+    const uint q0 = (get_num_groups(2) - 1 - get_group_id(2)) * BQ, row0 = q0 + wi / SX % tiles * 16;
     const uint col0 = wi % SX * (HD / SX);  // the warp's first column of Q and O
 % if varlen:
     const uint tok0 = cu[${at("cu", "w")}];

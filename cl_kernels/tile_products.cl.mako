@@ -750,15 +750,16 @@ ${a_words("a", "s16", src, base, stride, cols)}\
 </%def>
 
 ## The drivers' geometry: head dim, warps and rows of a group (SX warps a row tile: 2 in the column
-## halves' pairs below), the staged block of BK rows, its row stride (padded against bank conflicts)
-## and the 16-byte vectors each work-item fetches of it.
-<%def name="geometry(st, hd, nw, bk, sx=1)">\
+## halves' pairs below; the row tiles split among GP query heads), the staged block of BK rows, its row
+## stride (padded against bank conflicts) and the 16-byte vectors each work-item fetches of it.
+<%def name="geometry(st, hd, nw, bk, sx=1, gp=1)">\
 <% per = 4 if st == "float" else 8 %>\
 #define HD ${hd}
 #define HD16 ((HD + 15) / 16)
 #define NW ${nw}
 #define SX ${sx}
-#define BQ (16 * NW / SX)
+#define GP ${gp}
+#define BQ (16 * NW / SX / GP)
 #define WG (32 * NW)
 #define BK ${bk}
 #define KS (HD + ${per})

@@ -221,7 +221,11 @@ FWD = Spec(
 # The matrix-unit forward: attention_fwd_mma.cl.mako, the same kernel arguments and grid layout,
 # its tile products (tile_products.cl.mako) chosen by clops.mma.forward_product. Op name in the
 # tuning database "attention_fwd_mma", shape class {"hd", "st", "product"}. Its parameters:
-#   nw  warps of 32 work-items per group, each on 16 query rows (16·nw/sx rows a group);
+#   nw  warps of 32 work-items per group, each on 16 query rows (16·nw/sx/gp rows a group);
+#   gp  query heads a group (1, 2 or 4; nw/sx a multiple), the heads of one KV head: its row tiles are
+#       the heads' in turn, so a staged key block serves gp heads over 16·nw/sx/gp positions (a sliding
+#       window's group visits fewer keys outside the window). A call whose heads a KV head serves
+#       (nh/nkv) gp does not divide takes the largest power of two that does;
 #   bk  keys per key block, a multiple of 16;
 #   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products);
 #   af  how the matrix-unit products fetch the warps' Q: 1 once, held in registers; 2 from global memory
@@ -260,9 +264,9 @@ def _mma_heuristic(dev, sc):
     H200's tiles, one buffer. Q held (af 1), but above hd 128 for tf32x3 only in column halves' pairs (sx 2)
     and read at each step (af 2) for the others."""
     if not dev.type & cl.device_type.GPU:
-        return {"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 1}
+        return {"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 1}
     if sc["product"] in ("bf16", "f16"):
-        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1, "sx": 1}
+        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1, "sx": 1, "gp": 1}
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
     else:
@@ -272,7 +276,7 @@ def _mma_heuristic(dev, sc):
         # 12.72 read at each step by whole rows, 15.22 held by whole rows (it spills), 10.97 with 8 warps
         pairs = sc["product"] == "tf32x3" and sc["hd"] > 128 and sc["hd"] % 16 == 0
         p = dict({"nw": 4, "bk": 32} if sc["product"] == "tf32x3" else _h200_tiles(sc), stages=1,
-                 af=2 if sc["hd"] > 128 and not pairs else 1, sx=2 if pairs else 1)
+                 af=2 if sc["hd"] > 128 and not pairs else 1, sx=2 if pairs else 1, gp=1)
     while _mma_local_bytes(p, sc, p["stages"]) > dev.local_mem_size and p["bk"] > 16:
         p["bk"] //= 2
     return p
@@ -289,10 +293,13 @@ def _pair_warps(nw):
 
 
 FWD_MMA = Spec(
-    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages", "af", "sx"),
-    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2], "af": [1, 2], "sx": [1, 2]},
+    "attention_fwd_mma", "attention_fwd_mma.cl.mako", ("nw", "bk", "stages", "af", "sx", "gp"),
+    lambda sc: {"nw": [1, 2, 4, 8], "bk": [16, 32, 64, 128], "stages": [1, 2], "af": [1, 2], "sx": [1, 2],
+                "gp": [1, 2, 4]},
     _mma_heuristic,
     rules=lambda p, sc: ((p["bk"] % 16 == 0, "bk must be a multiple of 16"),
+                         (p["gp"] in (1, 2, 4) and p["nw"] // p["sx"] % p["gp"] == 0,
+                          "gp must be 1, 2 or 4, dividing nw/sx"),
                          (p["stages"] in (1, 2), "stages must be 1 or 2"), (p["af"] in (1, 2), "af must be 1 or 2"),
                          (p["sx"] == 1 or (p["sx"] == 2 and _pair_warps(p["nw"]) and sc["hd"] % 16 == 0),
                           f"sx must be 1, or 2 with nw even, at most {PAIR_WARPS_MAX} (a hardware barrier a pair) "
@@ -314,14 +321,17 @@ def _fwd_plan(queue, call):
     c = call.coefs()[0]
     if product is None:
         p, knl = FWD.kernels(queue, {"hd": call.hd}, idx=idx, **call.extra())
-        rows = p["bq"]
+        rows, heads = p["bq"], call.nh
     else:
-        p, knl = FWD_MMA.kernels(queue, {"hd": call.hd, "st": call.st, "product": product}, idx=idx,
-                                 emulate=int(mma.emulated()), fuse=int(c > 0),
-                                 capref=int(0 < call.softcap * LOG2E <= CAPREF_MAX), **call.extra())
-        rows = 16 * p["nw"] // p["sx"]
+        sc = {"hd": call.hd, "st": call.st, "product": product}
+        gp = FWD_MMA.params(queue.device, sc)["gp"]
+        while (call.nh // call.nkv) % gp:  # a group's heads share a KV head
+            gp //= 2
+        p, knl = FWD_MMA.kernels(queue, sc, idx=idx, emulate=int(mma.emulated()), fuse=int(c > 0),
+                                 capref=int(0 < call.softcap * LOG2E <= CAPREF_MAX), **call.extra(), gp=gp)
+        rows, heads = 16 * p["nw"] // p["sx"] // gp, call.nh // gp
     scalars = [np.uint32(call.T), np.uint32(call.nh), np.uint32(call.nh // call.nkv), c]
-    return knl["attention_fwd"], (call.nh, call.nseq, -(-call.T // rows)), scalars + call.variant_args()
+    return knl["attention_fwd"], (heads, call.nseq, -(-call.T // rows)), scalars + call.variant_args()
 
 
 def attention(queue, q, k, v, *, window=None, cu_seqlens=None, max_seqlen=None, causal=True, sliding_window=None,

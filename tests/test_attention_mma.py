@@ -110,16 +110,16 @@ def test_rows_whose_max_grows_block_by_block(queue, product, dtype):
     q = 2 * d + 0.05 * rng.standard_normal((n, 2, hd))
     k = (6.47e-5 * np.arange(n) ** 3)[:, None, None] * np.sqrt(hd) * d + 0.05 * rng.standard_normal((n, 1, hd))
     qkv = tuple(x.astype(dtype) for x in (q, k, ref.rnd((n, 1, hd), 3)))
-    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1, "af": 1, "sx": 1}, qkv=qkv)
+    _check(queue, n, 2, 1, hd, dtype, tiles={"nw": 1, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 1}, qkv=qkv)
 
 
 @pytest.mark.parametrize("tiles, kw", [
-    ({"nw": 1, "bk": 16, "stages": 1, "af": 1, "sx": 1}, {"window": 50}),
-    ({"nw": 3, "bk": 48, "stages": 1, "af": 1, "sx": 1}, {"window": 50}),
-    ({"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1}, {"window": 50}),
-    ({"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1}, {"cu_seqlens": CU}),
-    ({"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 2}, {"window": 50}),
-    ({"nw": 4, "bk": 32, "stages": 2, "af": 2, "sx": 2}, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})],
+    ({"nw": 1, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 1}, {"window": 50}),
+    ({"nw": 3, "bk": 48, "stages": 1, "af": 1, "sx": 1, "gp": 1}, {"window": 50}),
+    ({"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1, "gp": 1}, {"window": 50}),
+    ({"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1, "gp": 1}, {"cu_seqlens": CU}),
+    ({"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 2, "gp": 1}, {"window": 50}),
+    ({"nw": 4, "bk": 32, "stages": 2, "af": 2, "sx": 2, "gp": 1}, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0})],
     ids=["one-warp", "three-warps-48-keys", "two-stages", "q-read-varlen", "column-pairs",
          "column-pairs-two-stages-q-read-varlen-sliding-softcap"])
 def test_tiles(queue, product, tiles, kw):
@@ -127,6 +127,21 @@ def test_tiles(queue, product, tiles, kw):
     memory (the driver's way with tf32x3 at hd 256); the warps in column halves' pairs (sx 2), with one
     buffer (the pair's S added after V's barrier) and two (a barrier of its own)."""
     _check(queue, 100, 2, 1, 48, tiles=tiles, **kw)
+
+
+@pytest.mark.parametrize("tiles, nh, nkv, kw", [
+    ({"nw": 4, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 2}, 4, 2, {"cu_seqlens": CU, "sliding_window": 20}),
+    ({"nw": 4, "bk": 32, "stages": 2, "af": 1, "sx": 1, "gp": 4}, 8, 2, {"window": 50}),
+    ({"nw": 4, "bk": 16, "stages": 2, "af": 2, "sx": 2, "gp": 2}, 4, 1, {"window": 50, "sliding_window": 7,
+                                                                         "causal": False}),
+    ({"nw": 4, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 4}, 2, 1, {"window": 50, "softcap": 5.0}),
+    ({"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 2}, 3, 3, {"window": 50})],
+    ids=["two-heads-varlen-sliding", "four-heads", "two-heads-column-pairs-sliding-non-causal",
+         "four-wanted-two-served", "two-wanted-one-served"])
+def test_heads_a_group(queue, product, tiles, nh, nkv, kw):
+    """A group on gp query heads of one KV head (its row tiles the heads' in turn); where the heads a KV
+    head serves are fewer than gp, or gp does not divide them, the largest power of two that does."""
+    _check(queue, 100, nh, nkv, 48, tiles=tiles, **kw)
 
 
 # float32 with each mask and buffering; each 16-bit type once (the scan's test of its exponent fields);
@@ -148,7 +163,7 @@ def test_non_finite_v_stays_in_the_rows_that_see_it(queue, product, kw, stages, 
     v[key, 0, col] = value
     st = storage(np.dtype(dtype))
     sc = {"hd": 16, "st": st, "product": mma.forward_product(queue, st)[0]}
-    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages, "af": 1, "sx": sx})
+    tuning.override("attention_fwd_mma", sc, {"nw": 2, "bk": 16, "stages": stages, "af": 1, "sx": sx, "gp": 1})
     try:
         o, _ = clops.attention(queue, *to_device(queue, q, k, v), **kw)
     finally:
@@ -336,11 +351,11 @@ def test_path_choice(queue, monkeypatch):
 # dtype, keywords)
 EMULATED = [("fwd", 128, BF16, {"window": 50}), ("fwd", 40, np.float16, WINDOW_2),
             ("fwd", 32, BF16, {"cu_seqlens": CU, "sliding_window": 20, "softcap": 5.0}),
-            ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1}}),
-            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1})),
-            ("fwd", 48, np.float32, {"window": 50, "tiles": {"nw": 4, "bk": 16, "stages": 1, "af": 2, "sx": 2}}),
-            ("fwd", 64, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 32, "stages": 2, "af": 1, "sx": 2})),
-            ("fwd", 136, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1}}),
+            ("fwd", 40, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1, "gp": 1}}),
+            ("fwd", 48, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "stages": 2, "af": 1, "sx": 1, "gp": 1})),
+            ("fwd", 48, np.float32, {"window": 50, "tiles": {"nw": 4, "bk": 16, "stages": 1, "af": 2, "sx": 2, "gp": 1}}),
+            ("fwd", 64, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 32, "stages": 2, "af": 1, "sx": 2, "gp": 1})),
+            ("fwd", 136, np.float32, {"window": 50, "tiles": {"nw": 2, "bk": 16, "stages": 1, "af": 2, "sx": 1, "gp": 1}}),
             ("bwd", 32, BF16, dict(WINDOW_2, tiles={"nw": 2, "bk": 16, "af": 1, "stages": 2}, dkv={"cs": 1, "sx": 1})),
             ("bwd", 32, BF16, dict(WINDOW_2, store_ds=True)),
             ("bwd", 32, np.float32, {"cu_seqlens": CU, "causal": False, "softcap": 50.0})]  # no edge: 2 products a scope
@@ -395,15 +410,15 @@ def test_two_buffers_where_they_fit():
     held by column halves' pairs)."""
     gpu = types.SimpleNamespace(type=cl.device_type.GPU, local_mem_size=49152, max_work_group_size=1024)
     got = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}) for hd in (64, 128, 256)}
-    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1, "sx": 1},
-                   128: {"nw": 4, "bk": 32, "stages": 2, "af": 1, "sx": 1},
-                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1}}
+    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1, "sx": 1, "gp": 1},
+                   128: {"nw": 4, "bk": 32, "stages": 2, "af": 1, "sx": 1, "gp": 1},
+                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1, "gp": 1}}
     assert FWD_MMA.violation(gpu, {"hd": 256, "st": "bf16", "product": "bf16"}, dict(got[256], stages=2))
     for hd, p in got.items():
         FWD_MMA.check(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}, p)
     tf32 = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "float", "product": "tf32x3"}) for hd in (128, 256)}
-    assert tf32 == {128: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1},
-                    256: {"nw": 4, "bk": 16, "stages": 1, "af": 1, "sx": 2}}
+    assert tf32 == {128: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1, "gp": 1},
+                    256: {"nw": 4, "bk": 16, "stages": 1, "af": 1, "sx": 2, "gp": 1}}
     for hd, p in tf32.items():
         FWD_MMA.check(gpu, {"hd": hd, "st": "float", "product": "tf32x3"}, p)
 

@@ -373,7 +373,8 @@ def run_attention_mma(queue):
     # buffer of K and V or two in turn, over windows and sequences of 17-34 rows (partial blocks),
     # every variant flag, a NaN of V in a block crossing the diagonal (the exact masked form),
     # bfloat16 storage; the sequences with Q read at each block (their length in local memory); at
-    # hd 16 the warps in column halves' pairs (their partial S shared through local memory).
+    # hd 16 the warps in column halves' pairs (their partial S shared through local memory); under the
+    # sliding windows each warp on a head of its own (gp 2: the two heads of a KV head a group).
     nh, nkv, n = 4, 2, 34
     with mma.using("fma"):
         for i, (hd, dtype, kw) in enumerate(((8, "float32", dict(window=17)), (16, "float32", dict(window=17)),
@@ -384,7 +385,7 @@ def run_attention_mma(queue):
             tuning.override("attention_fwd_mma", {"hd": hd, "st": "float" if dtype == "float32" else "bf16",
                                                   "product": "fma"},
                             {"nw": 2, "bk": 16, "stages": 1 + i % 2, "af": 2 if "cu_seqlens" in kw else 1,
-                             "sx": 2 if hd == 16 else 1})
+                             "sx": 2 if hd == 16 else 1, "gp": 2 if "sliding_window" in kw else 1})
             q, k, v = (rnd(s, seed, 1.0).astype(dtype) for s, seed in (((n, nh, hd), 31), ((n, nkv, hd), 32),
                                                                         ((n, nkv, hd), 33)))
             (o, lse), (wo, wlse) = clops.attention(queue, *(cla.to_device(queue, a) for a in (q, k, v)), **kw), \

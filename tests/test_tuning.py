@@ -94,7 +94,7 @@ def test_column_pairs_take_at_most_30_warps():
     """sx 2's pairs each wait at a hardware barrier of their own on NVIDIA (ids 1 .. 15): 32 warps refused."""
     dev = types.SimpleNamespace(max_work_group_size=1024, local_mem_size=1 << 20)
     sc = {"hd": 64, "st": "bf16", "product": "bf16"}
-    for name, space in (("attention_fwd_mma", {"nw": [30, 32], "bk": [16], "stages": [1], "af": [1], "sx": [2]}),
+    for name, space in (("attention_fwd_mma", {"nw": [30, 32], "bk": [16], "stages": [1], "af": [1], "sx": [2], "gp": [1]}),
                         ("attention_bwd_mma_dkv", {"nw": [30, 32], "bk": [16], "af": [1], "cs": [2], "sx": [2]})):
         kept, left_out = tune.configurations(space, tune.FAMILIES[name].reject, dev, sc)
         assert [p["nw"] for p in kept] == [30], name
