@@ -22,8 +22,9 @@
 // rows that see it.
 //
 // Parameters: NW warps per group, GP query heads a group (dividing both NW/SX and the heads a KV
-// head serves), BK keys per block (a multiple of 16), HD head dim (a multiple of 8), ST storage type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and
-// V (1, or 2: a block's staged during the whole block before it, one barrier a block); FUSE: the score
+// head serves), BK keys per block (a multiple of 16), HD head dim (a multiple of 8), ST storage
+// type, KIND the tile product (fma, tf32x3, bf16, f16), STAGES buffers of K and V (1, or 2: a
+// block's staged during the whole block before it, one barrier a block); FUSE: the score
 // coefficient c is positive (the host's test), so that the scale can wait for the softmax's fma.
 // CAPREF (softcap at most clops.attn.CAPREF_MAX): cap is every row's reference max, no row maxima.
 // AF: the matrix-unit products take the warp's Q fragments once, held in registers (1), or from
