@@ -225,7 +225,8 @@ FWD = Spec(
 #   gp  query heads a group (1, 2 or 4; nw/sx a multiple), the heads of one KV head: its row tiles are
 #       the heads' in turn, so a staged key block serves gp heads over 16·nw/sx/gp positions (a sliding
 #       window's group visits fewer keys outside the window). A call whose heads a KV head serves
-#       (nh/nkv) gp does not divide takes the largest power of two that does;
+#       (nh/nkv) gp does not divide takes the largest power of two that does (the heuristic: 2 with the 16-bit
+#       products on a GPU);
 #   bk  keys per key block, a multiple of 16;
 #   stages  buffers of K and V: 1, or 2 (a block staged during all of the block before's products);
 #   af  how the matrix-unit products fetch the warps' Q: 1 once, held in registers; 2 from global memory
@@ -262,11 +263,15 @@ def _mma_heuristic(dev, sc):
     143 / 154 / 130 against 190 / 199 / 173 at hd 256 / 128 / 64, and 16 or 64 keys at hd 128 190 / 187
     against 198); tf32x3 4 warps and 32 keys in one buffer (16 at hd 256, where 32 do not fit); the others the
     H200's tiles, one buffer. Q held (af 1), but above hd 128 for tf32x3 only in column halves' pairs (sx 2)
-    and read at each step (af 2) for the others."""
+    and read at each step (af 2) for the others. The 16-bit products take two query heads a group (gp 2,
+    where a KV head serves two or more): on an H100 (2026-12-08, bf16, tile overrides in one process, the
+    bench's shapes, TFLOP/s) causal 266.4 / 261.0 against 260.6 / 252.1 at qwen-hd256 / llama-hd128 and
+    sliding-512 216.4 / 222.5 against 199.4 / 202.5 (gp 4: 265.5 / 256.8 and 207.4 / 220.3; 8 warps on
+    two heads 256.6 / 192.6 and 184.9 / 165.1)."""
     if not dev.type & cl.device_type.GPU:
         return {"nw": 2, "bk": 16, "stages": 1, "af": 1, "sx": 1, "gp": 1}
     if sc["product"] in ("bf16", "f16"):
-        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1, "sx": 1, "gp": 1}
+        p = {"nw": 4, "bk": 64 if sc["hd"] <= 64 else 32, "stages": 2, "af": 1, "sx": 1, "gp": 2}
         if _mma_local_bytes(p, sc, 2) > dev.local_mem_size:
             p["stages"] = 1
     else:

@@ -94,9 +94,11 @@ def heuristic(dev, sc):
     GPUs from hd 128, the backward prefetches each next step (``pf`` 2, PTX): on an H100 (2026-12-06, bf16)
     0.165 / 0.164 ms against 0.187 / 0.182 at hd 128 / 256; at hd 64 (12 steps a group) 0.056 against
     0.051; at float32 0.320 / 0.324 against 0.301 / 0.300, and ``pf`` 3 (144 registers at bf16) no faster.
-    Up to hd 64 at 16 bits there it loads each next step into registers (``pf`` 3, 128 registers at hd 64,
-    four groups of 128 filling a compute unit's): on an H100 (2026-12-07, bf16, a sweep of forward +
-    backward at hd 64) 0.0814 ms against 0.0852 at ``pf`` 1 and 0.0899 at 2."""
+    Up to hd 64 at 16 bits, the next step loaded into registers (``pf`` 3) ran 0.0814 ms against 0.0852 at
+    ``pf`` 1 before ``hpw`` (an H100, 2026-12-07, bf16, a sweep of forward + backward at hd 64), at 128
+    registers in NVIDIA's build, four groups of 128 filling a compute unit's; the template since ``hpw``
+    builds it at 139 (three groups), and it takes ``pf`` 1 again: on an H100 (2026-12-08, the same sweep)
+    0.0862 ms against 0.0976 at ``pf`` 2 and 0.0993 at 3, ``hpw`` 2 0.0920."""
     hd = sc["hd"]
     cap = wg_cap(dev)
     if dev.type & cl.device_type.CPU:
@@ -107,7 +109,7 @@ def heuristic(dev, sc):
     tpu = min(_pow2_floor(max(1, hd // vw // 4)), 64, cap)
     narrow = sc["st"] != "float"
     wg = max(tpu, min(128 if narrow else 256, cap))
-    pf = (2 if hd >= 128 else 3 if hd <= 64 else 1) if narrow and runtime.nvidia(dev) else 1
+    pf = 2 if hd >= 128 and narrow and runtime.nvidia(dev) else 1
     return {"wg": wg, "vw": vw, "upg": wg // tpu, "gpc": 4 if narrow else 2, "hpw": 1, "pf": pf}
 
 

@@ -410,9 +410,9 @@ def test_two_buffers_where_they_fit():
     held by column halves' pairs)."""
     gpu = types.SimpleNamespace(type=cl.device_type.GPU, local_mem_size=49152, max_work_group_size=1024)
     got = {hd: FWD_MMA.heuristic(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}) for hd in (64, 128, 256)}
-    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1, "sx": 1, "gp": 1},
-                   128: {"nw": 4, "bk": 32, "stages": 2, "af": 1, "sx": 1, "gp": 1},
-                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1, "gp": 1}}
+    assert got == {64: {"nw": 4, "bk": 64, "stages": 2, "af": 1, "sx": 1, "gp": 2},
+                   128: {"nw": 4, "bk": 32, "stages": 2, "af": 1, "sx": 1, "gp": 2},
+                   256: {"nw": 4, "bk": 32, "stages": 1, "af": 1, "sx": 1, "gp": 2}}
     assert FWD_MMA.violation(gpu, {"hd": 256, "st": "bf16", "product": "bf16"}, dict(got[256], stages=2))
     for hd, p in got.items():
         FWD_MMA.check(gpu, {"hd": hd, "st": "bf16", "product": "bf16"}, p)

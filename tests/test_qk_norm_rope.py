@@ -222,7 +222,7 @@ class _Gpu:  # what the heuristic reads of a device: an NVIDIA GPU's
 @pytest.mark.parametrize("hd,half", [(64, 16), (128, 64), (96, 20)])
 def test_gpu_layout_on_this_device(queue, hd, half):
     """The GPU heuristic's layouts (hd/16 work-items a unit, groups of 256 at float32 and 128 at 16 bits,
-    the backward's next step prefetched there from hd 128, loaded into registers up to hd 64; CPUs take one
+    the backward's next step prefetched there from hd 128; CPUs take one
     work-item a unit) at float32 and bfloat16 storage over sequences (hd 96, half 20: 19 slots, 5 of them
     pairs, over 4 work-items)."""
     layouts = {st: qkr.heuristic(_Gpu, {"hd": hd, "st": st}) for st in ("float", "bf16")}
