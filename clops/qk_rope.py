@@ -43,9 +43,9 @@ two ≤ ``vw`` dividing ``hd`` and the rotary half is used), ``upg`` segments of
 ``wg``; a unit is shared by the ``wg/upg`` work-items of a segment), ``hpw`` units (row, head) a
 segment takes one after the other (1 to 4; above 1 only with at most 32 work-items a unit: the GPU
 heuristic's 1, an H100's sweep at bf16 hd 64 finding 2 and 4 slower; on CPUs 2 at float32 up to hd
-64), so ``upg·hpw``
-units a group at a time, ``gpc`` backward groups per compute unit: the backward's grid is at most
-``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS`` steps of ``upg·hpw`` units
+64), so ``upg·hpw`` units a group at a time, ``gpc`` backward groups per compute unit: the backward's
+grid is at most ``gpc`` × CL_DEVICE_MAX_COMPUTE_UNITS groups, each walking at least ``MIN_STEPS``
+steps of ``upg·hpw`` units
 (:func:`clops.norm.bwd_dw_groups`), each group a partial row of the dw reduction, ``pf`` how the
 backward gets each next step's units: 1 loaded when the step comes, 2 prefetched into the caches while
 this step waits on its sum (PTX on NVIDIA), 3 loaded into registers then (twice the step's registers),
